@@ -1,0 +1,30 @@
+"""Drafters, and `build_drafter` which turns a `--drafter` string into one."""
+
+from draftsmith.drafters.base import Draft, Drafter, NullDrafter
+from draftsmith.errors import ConfigError
+from draftsmith.target import Target, load_target
+
+__all__ = ["Draft", "Drafter", "NullDrafter", "build_drafter"]
+
+
+def build_drafter(spec: str, target: Target, dtype: str = "float32", seed: int = 0) -> Drafter:
+    """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM), or `none` (plain decoding)."""
+    from draftsmith.drafters.draft_model import ModelDrafter
+    from draftsmith.drafters.ngram import NgramDrafter
+
+    kind, _, arg = spec.partition(":")
+    if kind == "none" and not arg:
+        return NullDrafter()
+    if kind == "ngram":
+        if not arg:
+            return NgramDrafter()
+        lo, _, hi = arg.partition("-")
+        if not (lo.isdigit() and (hi or lo).isdigit() and 1 <= int(lo) <= int(hi or lo)):
+            raise ConfigError(f"bad n-gram sizes in --drafter {spec!r}", hint="write ngram:MIN-MAX, e.g. ngram:1-4")
+        return NgramDrafter(int(lo), int(hi or lo))
+    if kind == "model" and arg:
+        return ModelDrafter(load_target(arg, dtype=dtype), target, seed=seed)
+    raise ConfigError(
+        f"unknown drafter {spec!r}",
+        hint="use ngram, ngram:MIN-MAX, model:<hub id or directory>, or none",
+    )

@@ -1,0 +1,39 @@
+"""Pydantic models for each stage's settings, so a CLI flag, a YAML profile and a manifest mean the same thing."""
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from draftsmith.errors import ConfigError
+
+
+class StageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def checked(cls, **values):
+        """Build the config, turning pydantic's multi-line report into one DraftsmithError per bad field."""
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(str(p) for p in err["loc"]) or cls.__name__
+            raise ConfigError(
+                f"invalid {field}={err.get('input')!r}: {err['msg']}",
+                hint=f"fix {field} (on the command line: --{field.replace('_', '-')})",
+            ) from None
+
+
+class EvalConfig(StageConfig):
+    target: str = "smollm2-135m"
+    dtype: str = "float32"
+    drafter: str = "ngram"
+    dataset: str = "builtin"
+    data_dir: Path | None = None
+    limit: int | None = Field(default=None, ge=1)
+    max_new_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    num_draft_tokens: int = Field(default=7, ge=1, le=64)
+    seed: int = 0
+    out: Path = Path("runs/eval")

@@ -1,0 +1,55 @@
+"""The drafter protocol: the only thing the engine knows about a drafter.
+
+A round of speculative decoding, as the engine drives it:
+
+    begin(prompt, features)          once, after the target's prefill
+    propose(tokens, k) -> Draft      up to k candidate tokens continuing `tokens` (prompt + generated so far)
+    accepted(n, features)            the target kept the first n draft tokens (and added one of its own);
+                                     the drafter rolls its state back to match
+
+`features` are the target's hidden states at `aux_layer_ids` (see target.py for the index convention) for the
+tokens the target has just confirmed, or None when the drafter asks for no layers. Like transformers'
+`CandidateGenerator`, a drafter may return fewer than k tokens, or none, when drafting would not pay.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # (m,) int64 target-vocabulary ids, m <= k
+    probs: torch.Tensor | None = None  # (m, vocab) the distributions q they were sampled from; None = deterministic
+
+    @classmethod
+    def empty(cls) -> "Draft":
+        return cls(torch.empty(0, dtype=torch.long))
+
+
+class Drafter(Protocol):
+    name: str
+    aux_layer_ids: tuple[int, ...]
+
+    def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None: ...
+
+    def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float) -> Draft: ...
+
+    def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None: ...
+
+
+class NullDrafter:
+    """Proposes nothing: plain decoding through the engine, which isolates the engine's own overhead."""
+
+    name = "none"
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
+        pass
+
+    def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float) -> Draft:
+        return Draft.empty()
+
+    def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:
+        pass

