@@ -147,7 +147,7 @@ def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
     if not isinstance(layers, torch.nn.ModuleList):
         raise TargetError(
             f"cannot find the decoder layers of {type(model).__name__}",
-            hint="draftsmith supports decoder-only models whose base model has a `layers` ModuleList (Llama, Qwen, ...)",
+            hint="draftsmith supports decoder-only models with a `layers` ModuleList (Llama, Qwen, Mistral, ...)",
         )
     return layers
 
