@@ -69,7 +69,7 @@ def run_eval(cfg) -> dict:
 
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
     tgt = load_target(cfg.target, dtype=cfg.dtype)
-    drafter = build_drafter(cfg.drafter, tgt, dtype=cfg.dtype, seed=cfg.seed)
+    drafter = build_drafter(cfg.drafter, tgt, dtype=cfg.dtype)
     report = evaluate(tgt, drafter, dataset, prompts, cfg)
     write_report(report, cfg.out)
     print_report(report, Console())

@@ -77,7 +77,7 @@ class SpeculativeDecoder:
 
         while len(result.tokens) < max_new_tokens and result.tokens[-1] not in target.eos_token_ids:
             k = min(k_max, max_new_tokens - len(result.tokens) - 1)
-            draft = drafter.propose(seq[:n], k, temperature) if k > 0 else Draft.empty()
+            draft = drafter.propose(seq[:n], k, temperature, generator) if k > 0 else Draft.empty()
             m = len(draft.tokens)
             out = target.forward(torch.cat([seq[n - 1 : n], draft.tokens]), cache, layers)
             result.target_forwards += 1
@@ -91,7 +91,8 @@ class SpeculativeDecoder:
                 result.accepted[i] += i < n_acc
             if n_acc < m:
                 rollback(cache, n + n_acc)
-            drafter.accepted(n_acc, None if out.aux_hidden is None else out.aux_hidden[: n_acc + 1])
+            if k > 0:
+                drafter.accepted(n_acc, None if out.aux_hidden is None else out.aux_hidden[: n_acc + 1])
 
             new = draft.tokens[:n_acc].tolist() + [bonus]
             new = new[: max_new_tokens - len(result.tokens)]

@@ -7,7 +7,7 @@ from draftsmith.target import Target, load_target
 __all__ = ["Draft", "Drafter", "NullDrafter", "build_drafter"]
 
 
-def build_drafter(spec: str, target: Target, dtype: str = "float32", seed: int = 0) -> Drafter:
+def build_drafter(spec: str, target: Target, dtype: str = "float32") -> Drafter:
     """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM), or `none` (plain decoding)."""
     from draftsmith.drafters.draft_model import ModelDrafter
     from draftsmith.drafters.ngram import NgramDrafter
@@ -23,7 +23,7 @@ def build_drafter(spec: str, target: Target, dtype: str = "float32", seed: int =
             raise ConfigError(f"bad n-gram sizes in --drafter {spec!r}", hint="write ngram:MIN-MAX, e.g. ngram:1-4")
         return NgramDrafter(int(lo), int(hi or lo))
     if kind == "model" and arg:
-        return ModelDrafter(load_target(arg, dtype=dtype), target, seed=seed)
+        return ModelDrafter(load_target(arg, dtype=dtype), target)
     raise ConfigError(
         f"unknown drafter {spec!r}",
         hint="use ngram, ngram:MIN-MAX, model:<hub id or directory>, or none",

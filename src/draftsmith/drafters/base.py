@@ -3,7 +3,9 @@
 A round of speculative decoding, as the engine drives it:
 
     begin(prompt, features)          once, after the target's prefill
-    propose(tokens, k) -> Draft      up to k candidate tokens continuing `tokens` (prompt + generated so far)
+    propose(tokens, k, T, gen) -> Draft  up to k candidate tokens continuing `tokens` (prompt + generated so far);
+                                     a sampling drafter draws from `gen`, the engine's seeded generator, so one
+                                     seed fixes the whole output and every draft is a fresh draw from its q
     accepted(n, features)            the target kept the first n draft tokens (and added one of its own);
                                      the drafter rolls its state back to match
 
@@ -34,7 +36,9 @@ class Drafter(Protocol):
 
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None: ...
 
-    def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float) -> Draft: ...
+    def propose(
+        self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator
+    ) -> Draft: ...
 
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None: ...
 
@@ -48,7 +52,9 @@ class NullDrafter:
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
         pass
 
-    def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float) -> Draft:
+    def propose(
+        self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator
+    ) -> Draft:
         return Draft.empty()
 
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:

@@ -17,7 +17,7 @@ from draftsmith.target import Target
 class ModelDrafter:
     aux_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, draft: Target, target: Target, seed: int = 0) -> None:
+    def __init__(self, draft: Target, target: Target) -> None:
         if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ConfigError(
                 f"draft model {draft.name!r} does not share the tokenizer of target {target.name!r}",
@@ -26,17 +26,16 @@ class ModelDrafter:
         self.name = f"model:{draft.name}"
         self.draft = draft
         self.vocab_size = target.vocab_size
-        self.seed = seed
         self.cache = draft.new_cache()
-        self.generator = torch.Generator()
         self._base = 0  # sequence length when the pending draft was proposed
         self._drafted = 0
 
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
         self.cache = self.draft.new_cache()
-        self.generator.manual_seed(self.seed)
 
-    def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float) -> Draft:
+    def propose(
+        self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator
+    ) -> Draft:
         feed = tokens[self.cache.get_seq_length() :]
         drafted, dists = [], []
         for i in range(max_tokens):
@@ -45,7 +44,7 @@ class ModelDrafter:
                 token = int(logits.argmax())
             else:
                 q = target_probs(logits, temperature)
-                token = int(torch.multinomial(q, 1, generator=self.generator))
+                token = int(torch.multinomial(q, 1, generator=generator))
                 dists.append(q)
             drafted.append(token)
             if i + 1 < max_tokens:

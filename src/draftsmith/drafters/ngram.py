@@ -44,7 +44,9 @@ class NgramDrafter:
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
         self._pending = None
 
-    def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float) -> Draft:
+    def propose(
+        self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator
+    ) -> Draft:
         match = self._longest_match(tokens, max_tokens)
         if match is None:
             return Draft.empty()
