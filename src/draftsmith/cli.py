@@ -11,7 +11,7 @@ from rich.console import Console
 from draftsmith.errors import DraftsmithError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def user_errors(fn):

@@ -1,0 +1,90 @@
+"""`draftsmith eval`: the report's fields and meaning, the CLI's errors, and SmolLM2 end to end."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from draftsmith.cli import app
+from draftsmith.config import EvalConfig
+from draftsmith.data.sources import Conversation
+from draftsmith.drafters.ngram import NgramDrafter
+from draftsmith.errors import TargetError
+from draftsmith.evaluate import evaluate, write_report
+from tests.conftest import tiny_target
+
+REQUIRED = {
+    "target": str, "drafter": str, "dataset": str, "prompts": int, "max_new_tokens": int, "new_tokens": int,
+    "target_forwards": int, "temperature": float, "acceptance_length": float, "acceptance_by_position": list,
+    "spec_tokens_per_s": float, "baseline_tokens_per_s": float, "speedup": float, "mismatches": int,
+}
+
+
+def chats(*texts: str) -> list[Conversation]:
+    return [Conversation(id=f"p{i}", messages=[{"role": "user", "content": t}]) for i, t in enumerate(texts)]
+
+
+def test_report_fields_and_meaning(tmp_path):
+    target = tiny_target(5)
+    prompts = chats("t5 t9 t5 t9 t5", "t7 t8 t7 t8", "t30 t31 t32")
+    cfg = EvalConfig(max_new_tokens=24, num_draft_tokens=3, out=tmp_path)
+    report = evaluate(target, NgramDrafter(break_even=0.0), "toy", prompts, cfg)
+    for key, kind in REQUIRED.items():
+        assert isinstance(report[key], kind), key
+    assert report["mismatches"] == 0
+    assert report["prompts"] == 3 and len(report["acceptance_by_position"]) == 3
+    assert report["acceptance_length"] == pytest.approx(report["new_tokens"] / report["target_forwards"])
+    assert report["speedup"] == pytest.approx(report["spec_tokens_per_s"] / report["baseline_tokens_per_s"])
+    assert all(0.0 <= p <= 1.0 for p in report["acceptance_by_position"])
+    write_report(report, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+    assert "| acceptance length" in (tmp_path / "report.md").read_text()
+
+
+def test_sampling_report_has_no_mismatch_count(tmp_path):
+    cfg = EvalConfig(max_new_tokens=8, temperature=0.8, out=tmp_path)
+    report = evaluate(tiny_target(5), NgramDrafter(), "toy", chats("t5 t6"), cfg)
+    assert report["mismatches"] is None and report["temperature"] == 0.8
+
+
+def test_prompt_longer_than_context_names_the_prompt():
+    long = " ".join(["t7"] * 300)
+    with pytest.raises(TargetError, match="prompt 'p1' of toy .* exceeds the context"):
+        evaluate(tiny_target(0), NgramDrafter(), "toy", chats("t5", long), EvalConfig(max_new_tokens=8))
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(app, ["eval", *args])
+
+
+def test_cli_rejects_bad_options_before_loading_anything(tmp_path):
+    result = run_cli("--num-draft-tokens", "0")
+    assert result.exit_code == 2 and "num_draft_tokens" in result.output and "hint" in result.output
+    result = run_cli("--dataset", str(tmp_path / "missing.jsonl"))
+    assert result.exit_code == 2 and "missing.jsonl" in result.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": oops}\n')
+    result = run_cli("--dataset", str(bad))
+    assert result.exit_code == 2 and "bad.jsonl" in result.output and "bad.jsonl:2" in result.output
+    result = run_cli("--drafter", "magic")
+    assert result.exit_code == 2 and "unknown drafter" in result.output
+
+
+@pytest.mark.integration
+def test_smollm2_greedy_speculation_is_identical_to_generate(smollm2, tmp_path):
+    prompts = chats(
+        "List three facts about the Moon, then repeat the list in reverse order.",
+        "Write a Python function that returns the n-th Fibonacci number, and explain it.",
+    )
+    cfg = EvalConfig(max_new_tokens=64, num_draft_tokens=5, out=tmp_path)
+    report = evaluate(smollm2, NgramDrafter(break_even=0.0), "integration", prompts, cfg)
+    assert report["mismatches"] == 0, report["per_prompt"]
+    assert report["acceptance_length"] > 1.0  # an always-proposing n-gram drafter lands some tokens
+
+
+@pytest.mark.integration
+def test_cli_eval_end_to_end(smollm2, tmp_path):
+    result = run_cli("--limit", "2", "--max-new-tokens", "16", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["dataset"] == "builtin" and report["prompts"] == 2 and report["mismatches"] == 0

@@ -1,0 +1,67 @@
+"""The hidden-state index convention and target loading."""
+
+import pytest
+import torch
+
+from draftsmith.errors import TargetError
+from draftsmith.target import load_target
+from tests.conftest import tiny_target
+
+
+def reference_hidden_states(target, ids: list[int]) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad():
+        return target.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+
+
+def test_layer_id_i_is_the_input_of_decoder_layer_i():
+    target = tiny_target(0, layers=4)
+    ids = [0, 5, 6, 7, 8, 9]
+    out = target.forward(torch.tensor(ids), target.new_cache(), layer_ids=(0, 1, 3))
+    ref = reference_hidden_states(target, ids)
+    width = target.hidden_size
+    for slot, layer in enumerate((0, 1, 3)):
+        torch.testing.assert_close(out.aux_hidden[:, slot * width : (slot + 1) * width], ref[layer][0])
+    torch.testing.assert_close(out.aux_hidden[:, :width], target.model.model.embed_tokens(torch.tensor(ids)))
+
+
+def test_hidden_states_with_kv_cache_match_a_full_forward():
+    target = tiny_target(1, layers=3)
+    ids = [0, 4, 8, 15, 16, 23, 42]
+    cache = target.new_cache()
+    first = target.forward(torch.tensor(ids[:4]), cache, layer_ids=(2,), logits_to_keep=1, last_hidden=True)
+    rest = target.forward(torch.tensor(ids[4:]), cache, layer_ids=(2,), last_hidden=True)
+    ref = reference_hidden_states(target, ids)
+    torch.testing.assert_close(torch.cat([first.aux_hidden, rest.aux_hidden]), ref[2][0])
+    torch.testing.assert_close(torch.cat([first.last_hidden, rest.last_hidden]), ref[-1][0])  # final, normed
+    assert first.logits.shape == (1, target.vocab_size) and rest.logits.shape == (3, target.vocab_size)
+    assert cache.get_seq_length() == len(ids)
+
+
+def test_unknown_targets_fail_fast_with_a_hint(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TargetError, match="not a built-in name") as err:
+        load_target("no-such-org/no-such-model")
+    assert "smollm2-135m" in err.value.hint
+    with pytest.raises(TargetError, match="does not exist"):
+        load_target(str(tmp_path / "missing"))
+    with pytest.raises(TargetError, match="unknown dtype"):
+        load_target("smollm2-135m", dtype="float8")
+
+
+@pytest.mark.integration
+def test_builtin_smollm2_loads_with_its_chat_template(smollm2):
+    assert smollm2.num_layers == 30 and smollm2.hidden_size == 576 and smollm2.vocab_size == 49152
+    assert smollm2.eos_token_ids == {2}  # <|im_end|>
+    ids = smollm2.encode_chat([{"role": "user", "content": "Hi"}])
+    assert smollm2.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    out = smollm2.forward(torch.tensor(ids), smollm2.new_cache(), layer_ids=(2, 15, 27), logits_to_keep=1)
+    ref = reference_hidden_states(smollm2, ids)
+    torch.testing.assert_close(out.aux_hidden[:, 576 * 2 :], ref[27][0])
+    assert len(smollm2.fingerprint()) == 16
+
+
+@pytest.mark.integration
+def test_builtin_target_reloads_from_the_cache(smollm2):
+    """The dequantised safetensors copy is what later loads read: same weights, no GGUF work."""
+    again = load_target("smollm2-135m")
+    assert again.fingerprint() == smollm2.fingerprint()
