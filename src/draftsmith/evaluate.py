@@ -8,6 +8,7 @@ prompt where they differ is counted in `mismatches`.
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -23,8 +24,14 @@ from draftsmith.target import Target
 from draftsmith.util import write_atomic
 
 
-def baseline_generate(target: Target, prompt_ids: list[int], cfg: EvalConfig, seed: int) -> tuple[list[int], float]:
-    """Plain autoregressive decoding with transformers' own `generate`, same model and settings."""
+def baseline_generate(
+    target: Target, prompt_ids: list[int], cfg: EvalConfig, seed: int, **generate_kwargs: Any
+) -> tuple[list[int], float]:
+    """Plain autoregressive decoding with transformers' own `generate`, same model and settings.
+
+    `generate_kwargs` go into the `GenerationConfig` (e.g. `prompt_lookup_num_tokens=10` for transformers' own
+    prompt lookup decoding); without them this is plain decoding.
+    """
     sampling = cfg.temperature > 0
     gen_cfg = GenerationConfig(
         max_new_tokens=cfg.max_new_tokens,
@@ -34,6 +41,7 @@ def baseline_generate(target: Target, prompt_ids: list[int], cfg: EvalConfig, se
         top_k=None,
         eos_token_id=sorted(target.eos_token_ids),
         pad_token_id=target.tokenizer.pad_token_id or min(target.eos_token_ids),
+        **generate_kwargs,
     )
     ids = torch.tensor([prompt_ids], device=target.device)
     torch.manual_seed(seed)
