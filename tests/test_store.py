@@ -242,7 +242,7 @@ def test_refuses_to_start_without_the_disk_space_it_needs(tmp_path, monkeypatch)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, need - 1))
     out = tmp_path / "new" / "store"
-    with pytest.raises(DraftsmithError, match=r"needs about .* MB for \d+ tokens but .* has only") as err:
+    with pytest.raises(DraftsmithError, match=r"needs about [\d.]+ kB for \d+ tokens but .* has only") as err:
         run(target, samples, out)
     assert "bigger disk" in err.value.hint and not out.exists()
     with pytest.raises(DraftsmithError, match="needs about"):  # an iterator of unknown length: checked per shard
