@@ -3,9 +3,13 @@
 The draft is what followed the most recent earlier occurrence of the longest suffix n-gram of the context
 (prompt and generated text). Proposing is not free: on a CPU a forward over 2-8 tokens costs ~1.6x a forward
 over one, so a draft pays only if it is expected to gain more than `break_even` (= that cost ratio - 1) accepted
-tokens. The drafter learns, per matched n-gram length, how many tokens its drafts actually gain, and stays silent
-for match lengths that do not pay on the current workload; on a GPU, where extra tokens are nearly free, set
-`break_even` near 0.
+tokens. On a GPU, where extra tokens are nearly free, set `break_even` near 0.
+
+The drafter learns, per matched n-gram length, how many tokens a draft gains, and stays silent for lengths that
+do not pay. It scores every lookup, proposed or not, against the text the target then actually generates (a
+draft gains exactly its longest prefix that matches that text at T=0), so a length that went silent is still
+measured and speaks up again when the text turns repetitive. Recent evidence weighs more (`decay`), because how
+much a text repeats itself changes from prompt to prompt.
 """
 
 from dataclasses import dataclass
@@ -17,51 +21,75 @@ from draftsmith.drafters.base import Draft
 
 @dataclass
 class _Yield:
-    """Running mean of accepted tokens per proposal, seeded with `prior_weight` proposals at the break-even value."""
+    """Decayed mean of tokens gained per lookup, seeded with `prior_weight` lookups at the break-even value."""
 
-    proposals: float
-    accepted: float
+    lookups: float
+    gained: float
 
     @property
     def mean(self) -> float:
-        return self.accepted / self.proposals
+        return self.gained / self.lookups
+
+    def add(self, gained: int, decay: float) -> None:
+        self.lookups = decay * self.lookups + 1
+        self.gained = decay * self.gained + gained
+
+
+@dataclass
+class _Lookup:
+    n: int  # matched n-gram length
+    start: int  # sequence position where the continuation would go
+    tokens: list[int]
 
 
 class NgramDrafter:
     aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(
-        self, min_ngram: int = 1, max_ngram: int = 4, break_even: float = 0.6, prior_weight: float = 2.0
+        self,
+        min_ngram: int = 1,
+        max_ngram: int = 4,
+        break_even: float = 0.6,
+        prior_weight: float = 2.0,
+        decay: float = 0.95,
     ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.name = f"ngram[{min_ngram}-{max_ngram}]"
-        self.min_ngram, self.max_ngram, self.break_even = min_ngram, max_ngram, break_even
-        # Optimistic start: every match length first gets the benefit of the doubt, then its measured yield.
+        self.min_ngram, self.max_ngram, self.break_even, self.decay = min_ngram, max_ngram, break_even, decay
         self.yields = {n: _Yield(prior_weight, prior_weight * break_even) for n in range(min_ngram, max_ngram + 1)}
-        self._pending: int | None = None  # match length of the draft awaiting its verdict
+        self._open: list[_Lookup] = []  # lookups whose outcome the generated text has not settled yet
 
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
-        self._pending = None
+        self._open = []
 
     def propose(
         self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator
     ) -> Draft:
+        self._settle(tokens)
         match = self._longest_match(tokens, max_tokens)
         if match is None:
             return Draft.empty()
         n, continuation = match
+        self._open.append(_Lookup(n, len(tokens), continuation.tolist()))
         if self.yields[n].mean < self.break_even:
             return Draft.empty()
-        self._pending = n
         return Draft(continuation)
 
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:
-        if self._pending is not None:
-            stats = self.yields[self._pending]
-            stats.proposals += 1
-            stats.accepted += num_accepted
-            self._pending = None
+        pass  # outcomes are read from the generated text in `_settle`, for silent lookups too
+
+    def _settle(self, tokens: torch.Tensor) -> None:
+        """Score each open lookup once the text shows where it diverged, or shows all of it."""
+        still_open = []
+        for lookup in self._open:
+            known = tokens[lookup.start : lookup.start + len(lookup.tokens)].tolist()
+            gained = next((i for i, (a, b) in enumerate(zip(known, lookup.tokens)) if a != b), len(known))
+            if gained < len(known) or len(known) == len(lookup.tokens):
+                self.yields[lookup.n].add(gained, self.decay)
+            else:
+                still_open.append(lookup)
+        self._open = still_open
 
     def _longest_match(self, tokens: torch.Tensor, max_tokens: int) -> tuple[int, torch.Tensor] | None:
         """(n, continuation) for the longest suffix n-gram seen before, continuation from its latest occurrence."""
