@@ -63,9 +63,7 @@ class NgramDrafter:
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
         self._open = []
 
-    def propose(
-        self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator
-    ) -> Draft:
+    def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator) -> Draft:
         self._settle(tokens)
         match = self._longest_match(tokens, max_tokens)
         if match is None:
@@ -84,7 +82,7 @@ class NgramDrafter:
         still_open = []
         for lookup in self._open:
             known = tokens[lookup.start : lookup.start + len(lookup.tokens)].tolist()
-            gained = next((i for i, (a, b) in enumerate(zip(known, lookup.tokens)) if a != b), len(known))
+            gained = next((i for i, (a, b) in enumerate(zip(known, lookup.tokens, strict=False)) if a != b), len(known))
             if gained < len(known) or len(known) == len(lookup.tokens):
                 self.yields[lookup.n].add(gained, self.decay)
             else:
