@@ -1,0 +1,261 @@
+"""Have the target write every assistant turn itself, so the drafter learns the target's own distribution.
+
+System, user and tool turns are kept; original assistant contents are dropped. Each conversation gets an assistant
+turn wherever it had one, and after every user message not already answered (so prompt-only data such as MT-bench
+style `turns` becomes user/assistant pairs). Turns are written in order: turn i is generated from the conversation
+as regenerated so far, exactly as the target would see it at inference.
+
+Regeneration is the slowest data step, so it is batched (conversations of similar prompt length share a batch,
+left-padded) and resumable: each finished batch is appended to the output JSONL and fsynced; a re-run reads the ids
+already there, drops a torn last line, and generates only the rest. Each regenerated turn records
+`"truncated": true` when it was cut at `max_new_tokens` instead of ending with the target's EOS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from transformers import GenerationConfig
+
+from draftsmith.data.sources import Conversation, Message
+from draftsmith.data.tokenize import render_chat
+from draftsmith.errors import ConfigError, DataError
+from draftsmith.target import Target
+
+console = Console(stderr=True, soft_wrap=True)
+
+
+def generate_batch(
+    target: Target, prompts: Sequence[list[int]], *, temperature: float, max_new_tokens: int, stop_ids: set[int]
+) -> list[tuple[list[int], bool]]:
+    """(new tokens without the stop token, whether a stop token ended them) for each prompt, in one left-padded batch.
+
+    Sampling uses the global torch RNG, so callers seed it; T=0 is greedy.
+    """
+    pad = target.tokenizer.pad_token_id
+    pad = min(stop_ids) if pad is None else pad
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=target.device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
+    sampling = temperature > 0
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sampling,
+        temperature=temperature if sampling else None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=sorted(stop_ids),
+        pad_token_id=pad,
+    )
+    with torch.inference_mode():
+        out = target.model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config)
+    results = []
+    for row in out[:, width:].tolist():
+        end = next((i for i, t in enumerate(row) if t in stop_ids), None)
+        results.append((row, False) if end is None else (row[:end], True))
+    return results
+
+
+def regenerate(
+    target: Target,
+    conversations: Sequence[Conversation],
+    out_path: Path,
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    progress: bool = True,
+) -> Path:
+    """Write `out_path` (JSONL: {"id", "messages"}) with every assistant turn written by `target`; resumes."""
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ConfigError(
+            f"batch_size and max_new_tokens must be at least 1, found {batch_size} and {max_new_tokens}",
+            hint="pass positive --batch-size and --max-new-tokens",
+        )
+    out_path = Path(out_path)
+    check_unique_ids(conversations)
+    plans = {c.id: _plan(c) for c in conversations}
+    done = read_done_ids(out_path)
+    pending = [c.id for c in conversations if c.id not in done]
+    first_len = {cid: _prompt_len(target, plans[cid][: plans[cid].index(None)]) for cid in pending}
+    too_long = [cid for cid in pending if first_len[cid] + max_new_tokens > target.context_length]
+    if too_long:
+        raise DataError(
+            f"{len(too_long)} conversations (first {too_long[0]!r}) have a first prompt of {first_len[too_long[0]]} "
+            f"tokens, which with {max_new_tokens} new tokens exceeds the context of {target.name} "
+            f"({target.context_length} tokens)",
+            hint="lower --max-new-tokens or drop the longest conversations",
+        )
+    pending.sort(key=first_len.__getitem__)  # similar prompt lengths share a batch: less padding
+
+    stats = _Stats()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with (
+        Progress(*columns, console=console, disable=not progress) as bar,
+        out_path.open("a", encoding="utf-8") as out,
+    ):
+        task = bar.add_task("regenerate", total=len(conversations), completed=len(conversations) - len(pending))
+        for start in range(0, len(pending), batch_size):
+            ids = pending[start : start + batch_size]
+            torch.manual_seed(_batch_seed(seed, ids))
+            records = _regenerate_batch(target, ids, plans, temperature, max_new_tokens, stats)
+            out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            out.flush()
+            os.fsync(out.fileno())
+            bar.update(task, advance=len(ids), description=f"regenerate ({stats.tokens_per_s:.0f} tokens/s)")
+    if pending:
+        console.print(
+            f"regenerated {len(pending)} conversations ({stats.turns} turns, {stats.truncated} cut at "
+            f"max_new_tokens={max_new_tokens}): {stats.tokens} tokens in {stats.seconds:.1f}s = "
+            f"{stats.tokens_per_s:.1f} tokens/s",
+            highlight=False,
+        )
+    if stats.cut:
+        console.print(
+            f"[yellow]warning:[/] {stats.cut} conversations ended early: their next prompt would not fit the "
+            f"context of {target.name} ({target.context_length} tokens)",
+            highlight=False,
+        )
+    return out_path
+
+
+def check_unique_ids(conversations: Sequence[Conversation]) -> None:
+    """Ids key resumption (done or not) and every later stage's samples, so a repeated id is refused up front."""
+    seen: set[str] = set()
+    for conv in conversations:
+        if conv.id in seen:
+            raise DataError(
+                f"conversation id {conv.id!r} occurs more than once", hint="give every conversation a unique id"
+            )
+        seen.add(conv.id)
+
+
+class _Stats:
+    """Running totals for the progress bar and the closing summary."""
+
+    def __init__(self) -> None:
+        self.tokens = self.turns = self.truncated = self.cut = 0
+        self.seconds = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _plan(conv: Conversation) -> list[Message | None]:
+    """The conversation with None at each assistant turn to write: where it had one, and after unanswered users."""
+    plan: list[Message | None] = []
+    for i, message in enumerate(conv.messages):
+        if message["role"] == "assistant":
+            plan.append(None)
+            continue
+        plan.append(message)
+        following = conv.messages[i + 1]["role"] if i + 1 < len(conv.messages) else None
+        if message["role"] == "user" and following != "assistant":
+            plan.append(None)
+    if None not in plan:
+        raise DataError(
+            f"conversation {conv.id!r} has no user or assistant turn to answer (roles: "
+            f"{[m['role'] for m in conv.messages]})",
+            hint="each conversation needs at least one user message",
+        )
+    return plan
+
+
+def _prompt_len(target: Target, history: list[Message]) -> int:
+    return len(_encode_prompt(target, history))
+
+
+def _encode_prompt(target: Target, history: list[Message]) -> list[int]:
+    text = render_chat(target.tokenizer, history, add_generation_prompt=True)
+    return target.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _batch_seed(seed: int, ids: list[str]) -> int:
+    """A seed from the run's seed and the batch's ids, so a batch samples the same way however the run got there."""
+    digest = hashlib.sha256("\n".join([str(seed), *ids]).encode()).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def _regenerate_batch(
+    target: Target,
+    ids: list[str],
+    plans: dict[str, list[Message | None]],
+    temperature: float,
+    max_new_tokens: int,
+    stats: _Stats,
+) -> list[dict]:
+    """Regenerate a batch of conversations turn by turn: one batched `generate` per turn index."""
+    written: dict[str, list[dict]] = {cid: [] for cid in ids}
+    position = dict.fromkeys(ids, 0)
+    active = list(ids)
+    stop_ids = target.eos_token_ids
+    while active:
+        waiting, prompts = [], []
+        for cid in active:
+            plan, messages = plans[cid], written[cid]
+            while position[cid] < len(plan) and plan[position[cid]] is not None:
+                messages.append(dict(plan[position[cid]]))
+                position[cid] += 1
+            if position[cid] == len(plan):
+                continue
+            prompt = _encode_prompt(target, messages)
+            if len(prompt) + max_new_tokens > target.context_length:
+                stats.cut += 1  # a later turn outgrew the context: keep the turns written so far
+                continue
+            waiting.append(cid)
+            prompts.append(prompt)
+        if not waiting:
+            break
+        start = time.perf_counter()
+        outputs = generate_batch(
+            target, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids
+        )
+        stats.seconds += time.perf_counter() - start
+        for cid, (tokens, ended) in zip(waiting, outputs, strict=True):
+            text = target.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            written[cid].append({"role": "assistant", "content": text, "truncated": not ended})
+            position[cid] += 1
+            stats.tokens += len(tokens) + ended
+            stats.turns += 1
+            stats.truncated += not ended
+        active = waiting
+    return [{"id": cid, "messages": written[cid]} for cid in ids]
+
+
+def read_done_ids(path: Path) -> set[str]:
+    """Ids of the conversations already in a regeneration output; a torn last line (a crash mid-write) is cut off.
+
+    A damaged line anywhere else is an error: that file was not written by an interrupted regeneration.
+    """
+    path = Path(path)
+    if not path.exists():
+        return set()
+    done: set[str] = set()
+    good_end = 0
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):
+                break  # the torn tail of a write that never finished
+            try:
+                done.add(str(json.loads(line)["id"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise DataError(
+                    f'{path}:{number}: expected a regenerated conversation ({{"id", "messages"}}), found {line[:60]!r}',
+                    hint="this file was not left by an interrupted regeneration; move it away to start over",
+                ) from e
+            good_end += len(line)
+    if good_end < path.stat().st_size:
+        console.print(f"{path}: dropping a torn last line left by an interrupted run", highlight=False)
+        with path.open("r+b") as f:
+            f.truncate(good_end)
+    return done

@@ -1,0 +1,217 @@
+"""The `draftsmith data` stage: gather conversations from files, the Hugging Face hub and the target itself.
+
+Writes into `out_dir`:
+  conversations.jsonl   every input conversation as {"id", "messages"} (atomic)
+  regenerated.jsonl     with `regenerate`: the same conversations with target-written assistant turns (resumable)
+  manifest.json         stage "data": sources, counts, config, target, created time (atomic; "complete" at the end)
+
+Evaluation sets (builtin, mt_bench, humaneval, gsm8k by name) are refused: training on them would inflate every
+evaluation. A re-run with the same inputs (source names, config, target) over an unfinished regeneration resumes it
+from the conversations gathered the first time, without reading the sources or synthesising again; a re-run with
+other inputs over an existing regeneration is refused rather than silently mixing two datasets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from draftsmith.data.regenerate import check_unique_ids
+from draftsmith.data.regenerate import regenerate as regenerate_conversations
+from draftsmith.data.sources import KNOWN_DATASETS, Conversation, read_records, record_to_conversation
+from draftsmith.data.synth import synthesize_prompts
+from draftsmith.errors import ConfigError, DataError
+from draftsmith.target import Target, _hub_reachable
+from draftsmith.util import write_atomic
+
+_FILE_SUFFIXES = (".jsonl", ".json", ".gz")
+
+
+def build_dataset(
+    sources: list[str],
+    out_dir: Path,
+    *,
+    target: Target | None = None,
+    regenerate: bool = False,
+    synth: int = 0,
+    limit: int | None = None,
+    hf_split: str = "train",
+    seed: int = 0,
+    temperature: float = 0.0,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+) -> Path:
+    """Build the data stage directory and return it.
+
+    `sources` are files (ShareGPT / prompt JSONL / JSON, optionally gzipped) or Hugging Face dataset ids
+    (`owner/name` or `owner/name:config`, split `hf_split`); `limit` keeps the first N conversations of each source;
+    `synth` adds N prompts the target writes itself. `temperature`, `max_new_tokens` and `batch_size` drive the
+    regeneration (synthesis samples at its own defaults, since a greedy prompt writer writes one prompt).
+    """
+    if not sources and synth <= 0:
+        raise ConfigError("no data: no sources and no --synth prompts", hint="pass a file, a hub dataset or --synth N")
+    if (regenerate or synth) and target is None:
+        raise ConfigError("--regenerate and --synth need a target model", hint="pass --target")
+    if limit is not None and limit < 1:
+        raise ConfigError(f"limit must be at least 1, found {limit}", hint="pass a positive --limit or none")
+    out_dir = Path(out_dir)
+    config = {
+        "regenerate": regenerate,
+        "synth": synth,
+        "limit": limit,
+        "hf_split": hf_split,
+        "seed": seed,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+    }
+    inputs = {"sources": list(sources), "config": config, "target": target.name if target else None}
+    conversations_path, regenerated_path = out_dir / "conversations.jsonl", out_dir / "regenerated.jsonl"
+    manifest_path = out_dir / "manifest.json"
+
+    previous = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    same_inputs = previous is not None and all(previous.get(k) == v for k, v in inputs.items())
+    if regenerated_path.exists() and not same_inputs:
+        raise DataError(
+            f"{out_dir} already holds a regeneration made from other sources, config or target",
+            hint="use a new --out directory, or delete the old one to start over",
+        )
+    if same_inputs and regenerated_path.exists():  # resume the regeneration over the conversations gathered then
+        conversations = [Conversation(r["id"], r["messages"]) for _, r in read_records(conversations_path)]
+        counts = previous["counts"]
+    else:
+        conversations, counts = _gather(
+            sources, target, synth=synth, limit=limit, hf_split=hf_split, seed=seed, batch_size=batch_size
+        )
+        check_unique_ids(conversations)
+        if not regenerate:
+            _check_answered(sources, conversations)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(conversations_path, "".join(_jsonl(c) for c in conversations))
+        write_atomic(manifest_path, _manifest(inputs, counts, complete=False))
+
+    if regenerate:
+        regenerate_conversations(
+            target,
+            conversations,
+            regenerated_path,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            seed=seed,
+        )
+        counts = counts | _regenerated_counts(regenerated_path)
+    write_atomic(manifest_path, _manifest(inputs, counts, complete=True))
+    return out_dir
+
+
+def _gather(
+    sources: list[str],
+    target: Target | None,
+    *,
+    synth: int,
+    limit: int | None,
+    hf_split: str,
+    seed: int,
+    batch_size: int,
+) -> tuple[list[Conversation], dict[str, Any]]:
+    """All conversations, ids prefixed with their source's name when several inputs are combined."""
+    several = len(sources) + (synth > 0) > 1
+    conversations: list[Conversation] = []
+    per_source: dict[str, int] = {}
+    for source in sources:
+        loaded = _load_source(source, limit, hf_split)
+        prefix = f"{_short_name(source)}/" if several else ""
+        conversations += [Conversation(prefix + c.id, c.messages) for c in loaded]
+        per_source[source] = len(loaded)
+    synthesised = synthesize_prompts(target, synth, seed=seed, batch_size=batch_size) if synth > 0 else []
+    conversations += synthesised
+    counts = {"sources": per_source, "synth": len(synthesised), "conversations": len(conversations)}
+    return conversations, counts
+
+
+def _load_source(source: str, limit: int | None, hf_split: str) -> list[Conversation]:
+    if source in KNOWN_DATASETS:
+        raise DataError(
+            f"{source!r} is an evaluation set: training on it would inflate every evaluation",
+            hint="train on other prompts (a file, a hub dataset or --synth); for the GSM8K train split use "
+            "openai/gsm8k:main",
+        )
+    path = Path(source).expanduser()
+    if path.exists():
+        records = islice(read_records(path), limit)
+        return [record_to_conversation(r, f"{path}:{n}", index=i) for i, (n, r) in enumerate(records)]
+    if source.endswith(_FILE_SUFFIXES) or source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise DataError(f"{source}: no such file", hint="check the path; dataset files are .jsonl, .jsonl.gz or .json")
+    return _load_hub(source, limit, hf_split)
+
+
+def _load_hub(source: str, limit: int | None, split: str) -> list[Conversation]:
+    """Rows of a hub dataset (`name` or `name:config`); fails in seconds when offline, never hangs on retries."""
+    hint = "pass a local .jsonl/.json file instead; for a dataset already in the `datasets` cache, set HF_HUB_OFFLINE=1"
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{source!r} is not a file, and reading it as a Hugging Face dataset needs the `datasets` package",
+            hint="pip install 'draftsmith[hub]', or " + hint[0].lower() + hint[1:],
+        ) from None
+    offline = "1" in (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("HF_DATASETS_OFFLINE"))
+    if not offline and not _hub_reachable():
+        raise DataError(f"{source!r} is not a file, and the Hugging Face hub cannot be reached", hint=hint)
+    name, _, config = source.partition(":")
+    where = f"{source}[{split}]"
+    try:
+        rows = datasets.load_dataset(name, config or None, split=split, streaming=limit is not None and not offline)
+        records = [dict(row) for row in islice(rows, limit)]
+    except Exception as e:  # hub, network, cache or split errors all mean the same to the user: no data from here
+        reason = (str(e).splitlines() or [""])[0]
+        raise DataError(f"{where} could not be loaded: {type(e).__name__}: {reason}", hint=hint) from e
+    return [record_to_conversation(r, f"{where}:{i}", index=i) for i, r in enumerate(records)]
+
+
+def _short_name(source: str) -> str:
+    path = Path(source)
+    if path.suffix in _FILE_SUFFIXES:
+        return path.name.removesuffix(".gz").rsplit(".", 1)[0]
+    return source.replace("/", "_")
+
+
+def _check_answered(sources: list[str], conversations: list[Conversation]) -> None:
+    """Without regeneration every conversation must already hold an assistant turn to learn from."""
+    unanswered = [c.id for c in conversations if not any(m["role"] == "assistant" for m in c.messages)]
+    if unanswered:
+        raise DataError(
+            f"{len(unanswered)} of {len(conversations)} conversations from {', '.join(sources) or 'synth'} have no "
+            f"assistant turn (first: {unanswered[0]!r})",
+            hint="add --regenerate to have the target write the replies",
+        )
+
+
+def _regenerated_counts(path: Path) -> dict[str, int]:
+    records = [record for _, record in read_records(path)]
+    turns = [m for r in records for m in r["messages"] if m["role"] == "assistant" and "truncated" in m]
+    return {
+        "regenerated": len(records),
+        "assistant_turns": len(turns),
+        "truncated_turns": sum(m["truncated"] for m in turns),
+    }
+
+
+def _jsonl(conv: Conversation) -> str:
+    return json.dumps({"id": conv.id, "messages": conv.messages}, ensure_ascii=False) + "\n"
+
+
+def _manifest(inputs: dict[str, Any], counts: dict[str, Any], *, complete: bool) -> str:
+    manifest = {
+        "stage": "data",
+        "complete": complete,
+        **inputs,
+        "counts": counts,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    return json.dumps(manifest, indent=2) + "\n"
