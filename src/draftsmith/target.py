@@ -179,7 +179,7 @@ def _local_or_hub(name: str) -> str:
         raise TargetError(f"target directory {name} does not exist", hint=hint)
     if try_to_load_from_cache(name, "config.json") is not None:
         return name
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or not _hub_reachable():
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or not hub_reachable():
         raise TargetError(
             f"target {name!r} is not a built-in name, a local directory, or a model in the Hugging Face cache, "
             "and the hub cannot be reached",
@@ -188,7 +188,7 @@ def _local_or_hub(name: str) -> str:
     return name
 
 
-def _hub_reachable(timeout: float = 5.0) -> bool:
+def hub_reachable(timeout: float = 5.0) -> bool:
     try:
         with urllib.request.urlopen(HF_ENDPOINT, timeout=timeout):
             return True

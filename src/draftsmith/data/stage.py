@@ -25,7 +25,7 @@ from draftsmith.data.regenerate import regenerate as regenerate_conversations
 from draftsmith.data.sources import KNOWN_DATASETS, Conversation, read_records, record_to_conversation
 from draftsmith.data.synth import synthesize_prompts
 from draftsmith.errors import ConfigError, DataError
-from draftsmith.target import Target, _hub_reachable
+from draftsmith.target import Target, hub_reachable
 from draftsmith.util import write_atomic
 
 _FILE_SUFFIXES = (".jsonl", ".json", ".gz")
@@ -161,7 +161,7 @@ def _load_hub(source: str, limit: int | None, split: str) -> list[Conversation]:
             hint="pip install 'draftsmith[hub]', or " + hint[0].lower() + hint[1:],
         ) from None
     offline = "1" in (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("HF_DATASETS_OFFLINE"))
-    if not offline and not _hub_reachable():
+    if not offline and not hub_reachable():
         raise DataError(f"{source!r} is not a file, and the Hugging Face hub cannot be reached", hint=hint)
     name, _, config = source.partition(":")
     where = f"{source}[{split}]"
@@ -215,3 +215,17 @@ def _manifest(inputs: dict[str, Any], counts: dict[str, Any], *, complete: bool)
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     return json.dumps(manifest, indent=2) + "\n"
+
+
+def load_stage_conversations(data_dir: Path) -> list[Conversation]:
+    """The training conversations of a finished data stage: the regenerated ones when the stage regenerated."""
+    manifest_path = Path(data_dir) / "manifest.json"
+    if not manifest_path.exists():
+        raise DataError(f"{data_dir} is not a data stage directory (no manifest.json)", hint="run `draftsmith data`")
+    manifest = json.loads(manifest_path.read_text())
+    if not manifest.get("complete"):
+        raise DataError(
+            f"the data stage in {data_dir} did not finish", hint="re-run the same `draftsmith data` command"
+        )
+    name = "regenerated.jsonl" if manifest["config"]["regenerate"] else "conversations.jsonl"
+    return [Conversation(r["id"], r["messages"]) for _, r in read_records(Path(data_dir) / name)]

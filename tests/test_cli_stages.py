@@ -1,0 +1,43 @@
+"""`draftsmith data | extract | vocab` chained through the CLI on a tiny model saved to disk."""
+
+import json
+
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from draftsmith.cli import app
+from tests.conftest import tiny_target
+
+
+def test_data_extract_vocab_chain(tmp_path):
+    target = tiny_target(0, vocab_size=96)
+    target.model.save_pretrained(tmp_path / "model")
+    target.tokenizer.save_pretrained(tmp_path / "model")
+    convs = tmp_path / "convs.jsonl"
+    convs.write_text(
+        "".join(
+            json.dumps({"id": f"c{i}", "conversations": [
+                {"from": "human", "value": f"t{20 + i} t{30 + i}"}, {"from": "gpt", "value": f"t{40 + i} t{50 + i} t5"},
+            ]}) + "\n"
+            for i in range(6)
+        )
+    )  # fmt: skip
+    run = CliRunner().invoke
+    model = str(tmp_path / "model")
+    result = run(app, ["data", str(convs), "--out", str(tmp_path / "data")])
+    assert result.exit_code == 0, result.output
+    result = run(app, ["extract", str(tmp_path / "data"), "--target", model, "--out", str(tmp_path / "store"),
+                       "--layers", "0,1,2", "--dtype", "float32", "--shard-size", "4"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert manifest["samples"] == 6 and manifest["layer_ids"] == [0, 1, 2] and len(manifest["shards"]) == 2
+    result = run(app, ["vocab", str(tmp_path / "store"), "--size", "16", "--out", str(tmp_path / "vocab")])
+    assert result.exit_code == 0, result.output
+    tensors = load_file(tmp_path / "vocab" / "vocab.safetensors")
+    assert tensors["d2t"].shape == (16,) and int(tensors["t2d"].sum()) == 16
+
+
+def test_extract_refuses_an_unfinished_data_stage(tmp_path):
+    (tmp_path / "data").mkdir()
+    result = CliRunner().invoke(app, ["extract", str(tmp_path / "data")])
+    assert result.exit_code == 2 and "no manifest.json" in result.output
