@@ -322,12 +322,12 @@ def test_hub_dataset_offline_fails_fast_and_online_rows_are_read(tmp_path, monke
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(stage_module, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(stage_module, "hub_reachable", lambda: False)
     with pytest.raises(DataError, match="'owner/chats' is not a file, and the Hugging Face hub cannot be reached"):
         build_dataset(["owner/chats"], tmp_path / "data")
     assert calls == []
 
-    monkeypatch.setattr(stage_module, "_hub_reachable", lambda: True)
+    monkeypatch.setattr(stage_module, "hub_reachable", lambda: True)
     out = build_dataset(["owner/chats:main"], tmp_path / "data", limit=2, hf_split="test")
     assert calls == [("owner/chats", "main", "test", True)]
     assert [r["id"] for r in read_jsonl(out / "conversations.jsonl")] == ["s2", "s1"]

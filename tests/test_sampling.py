@@ -79,9 +79,8 @@ def exact_joint(target, prompt: list[int], length: int, temperature: float) -> d
         ids = torch.tensor([prompt + list(pre) for pre in prefixes])
         with torch.no_grad():
             probs = target_probs(target.model(ids).logits[:, -1], temperature)
-        joint = done | {
-            pre + (x,): joint[pre] * float(probs[i, x]) for i, pre in enumerate(prefixes) for x in range(target.vocab_size)
-        }
+        vocab = range(target.vocab_size)
+        joint = done | {pre + (x,): joint[pre] * float(probs[i, x]) for i, pre in enumerate(prefixes) for x in vocab}
     return joint
 
 
