@@ -153,8 +153,16 @@ def demo(
 ) -> None:
     """The main job on the built-in target: the n-gram drafter vs plain decoding on MT-bench."""
     from draftsmith.config import EvalConfig
+    from draftsmith.data.sources import load_eval_prompts
+    from draftsmith.errors import DataError
 
-    run_eval(EvalConfig.checked(dataset="mt_bench", data_dir=data_dir, limit=limit, out=out))
+    dataset = "mt_bench"
+    try:
+        load_eval_prompts(dataset, data_dir, limit=1)
+    except DataError as exc:  # a fresh machine without the data folder or internet still gets a demo
+        console.print(f"[yellow]MT-bench is not available ({exc.message}); using the built-in prompts[/]")
+        dataset = "builtin"
+    run_eval(EvalConfig.checked(dataset=dataset, data_dir=data_dir, limit=limit, out=out))
 
 
 if __name__ == "__main__":
