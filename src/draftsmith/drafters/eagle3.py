@@ -1,0 +1,463 @@
+"""EAGLE-3 (Li et al., 2025): a one-layer drafter that reads the target's own hidden states.
+
+The model, as SGLang, vLLM and speculators lay it out (parameter names map 1:1 onto theirs):
+
+    fc          Linear(3H -> H): fuses the target's states entering three layers (low, middle, high) into h
+    midlayer    one Llama decoder layer whose q/k/v read cat(input_layernorm(embed(token)), hidden_norm(h)),
+                width 2H; the residual stream is h itself
+    norm, lm_head   final RMSNorm and a head over the *draft* vocabulary (d2t maps draft ids to target ids)
+
+One step takes (embedding of token x[t+1], hidden h_t) at position t and returns the pre-norm output hidden, which
+becomes the h of the next step, and draft logits for the token after x[t+1]. Over the context h_t is fc(target
+features at t); while drafting it is the drafter's own previous output. `Eagle3Drafter` runs that loop behind the
+engine's drafter protocol; training unrolls the same loop (train/losses.py) and a test proves the two agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, ValidationError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from draftsmith.drafters.base import Draft
+from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.target import Target
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+FROZEN = ("embed_tokens.weight",)  # a copy of the target's embeddings: restored from the target, never saved
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """The states entering layers (2, N//2, N-3), as EAGLE-3, vLLM and SGLang choose by default."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class Eagle3Config(BaseModel):
+    """Everything needed to rebuild the drafter, and which target it belongs to (saved as config.json)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, int, int]
+    target: str = ""
+    target_fingerprint: str = ""
+
+    @classmethod
+    def from_target(
+        cls,
+        target: Target,
+        draft_vocab_size: int,
+        aux_layer_ids: tuple[int, ...],
+        fingerprint: str | None = None,
+    ) -> Eagle3Config:
+        """Shape the drafter's layer like one of the target's; `fingerprint` skips re-hashing a known target."""
+        c = target.config
+        if len(aux_layer_ids) != 3 or not all(0 <= i < target.num_layers for i in aux_layer_ids):
+            raise ConfigError(
+                f"EAGLE-3 needs 3 aux layer ids in [0, {target.num_layers}), got {tuple(aux_layer_ids)}",
+                hint=f"use the default {default_aux_layer_ids(target.num_layers)} for {target.name}",
+            )
+        if not 0 < draft_vocab_size <= target.vocab_size:
+            raise ConfigError(
+                f"draft vocabulary size {draft_vocab_size} is outside 1..{target.vocab_size} (the target's)",
+                hint="pick a draft vocabulary no larger than the target's",
+            )
+        rope = getattr(c, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ConfigError(
+                f"target {target.name} uses {rope['rope_type']!r} RoPE scaling; the EAGLE-3 drafter supports plain "
+                "RoPE only",
+                hint="use a target without rope scaling",
+            )
+        heads = c.num_attention_heads
+        return cls(
+            hidden_size=c.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=c.intermediate_size,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+            max_position_embeddings=target.context_length,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=tuple(aux_layer_ids),
+            target=target.name,
+            target_fingerprint=target.fingerprint() if fingerprint is None else fingerprint,
+        )
+
+
+class AttentionCache(Protocol):
+    """Decides which keys a query sees: `attend` stores this call's keys/values and returns the attention output."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class KVCache:
+    """Inference cache: keys/values of every position run so far, in order; roll back with `crop`."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # (B, kv_heads, S, head_dim), RoPE applied
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        past = len(self)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        new, total = q.shape[2], self.k.shape[2]
+        # The i-th new query sits at cache index past + i and sees everything up to and including itself.
+        mask = torch.arange(total, device=q.device)[None, :] <= past + torch.arange(new, device=q.device)[:, None]
+        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=True)
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like Llama, so bf16 training and fp32 inference see the same statistics.
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotary embedding (rotate-half layout) for cos/sin of shape (T, head_dim)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width = 2 * cfg.hidden_size
+        self.q_proj = nn.Linear(width, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = causal_attention(q, k, v) if cache is None else cache.attend(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The decoder layer: attention over [token embedding ; hidden], with the hidden as the residual."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: AttentionCache | None,
+    ) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, cos, sin, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Model(nn.Module):
+    def __init__(self, config: Eagle3Config) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.midlayer = MidLayer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: Eagle3Config,
+        embed_weight: torch.Tensor,
+        head_weight: torch.Tensor,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+    ) -> Eagle3Model:
+        """A fresh drafter: the target's embeddings (frozen) and its head rows for the draft vocabulary."""
+        model = cls(config)
+        model.set_vocab(d2t, t2d)
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(embed_weight)
+            rows = model.draft_to_target(torch.arange(config.draft_vocab_size))
+            model.lm_head.weight.copy_(head_weight[rows.to(head_weight.device)])
+        return model
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocabulary, checking that d2t and t2d describe the same set of target tokens."""
+        vd, v = self.config.draft_vocab_size, self.config.vocab_size
+        if tuple(d2t.shape) != (vd,) or tuple(t2d.shape) != (v,):
+            raise DraftsmithError(
+                f"draft vocabulary has d2t {tuple(d2t.shape)} and t2d {tuple(t2d.shape)}, expected ({vd},) and ({v},)",
+                hint="build the draft vocabulary for this target with the configured draft vocabulary size",
+            )
+        ids = torch.arange(vd) + d2t.long().cpu()
+        t2d = t2d.bool().cpu()
+        if ids.min() < 0 or ids.max() >= v or len(ids.unique()) != vd or not t2d[ids].all() or int(t2d.sum()) != vd:
+            raise DraftsmithError(
+                "d2t and t2d disagree: d2t must map the draft ids onto exactly the target tokens t2d marks",
+                hint="rebuild the draft vocabulary (`draftsmith vocab`)",
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """(..., 3H) target features -> (..., H): the hidden a context position starts from."""
+        return self.fc(aux_hidden)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: AttentionCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds, hidden (B, T, H) at `positions` (T,) -> (output hidden (B, T, H), draft logits (B, T, Vd)).
+
+        Without a cache the T positions attend causally among themselves (a plain forward over a context).
+        """
+        out = self.forward_hidden(embeds, hidden, positions, cache)
+        return out, self.draft_logits(out)
+
+    def forward_hidden(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: AttentionCache | None = None,
+    ) -> torch.Tensor:
+        """The output hidden alone: training computes logits only at the positions that reach the loss."""
+        cfg = self.config
+        # RoPE angles in fp32 whatever the model's dtype, as Llama computes them.
+        inv_freq = 1.0 / cfg.rope_theta ** (
+            torch.arange(0, cfg.head_dim, 2, device=embeds.device).float() / cfg.head_dim
+        )
+        angles = positions.to(embeds.device, torch.float32)[:, None] * inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos().to(embeds.dtype), angles.sin().to(embeds.dtype)
+        return self.midlayer(embeds, hidden, cos, sin, cache)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+class Eagle3Drafter:
+    """The drafter protocol over an `Eagle3Model`, with its own KV cache.
+
+    Context position t is run once, from (embed(tokens[t+1]), fc(features[t])), as soon as both are known. A draft
+    continues from the last context position with the drafter's own hidden states; those positions are cropped
+    off again, because once the target confirms them they are recomputed from the target's real features.
+    """
+
+    def __init__(self, model: Eagle3Model, name: str = "eagle3") -> None:
+        self.name = name
+        self.model = model.eval()
+        self.aux_layer_ids: tuple[int, ...] = tuple(model.config.aux_layer_ids)
+        self.draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=model.d2t.device))
+        self.begin(torch.empty(0, dtype=torch.long), None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.fc.weight.device
+
+    @torch.inference_mode()
+    def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
+        self.cache = KVCache()
+        self.fused = torch.empty(0, self.model.config.hidden_size, device=self.device, dtype=self.model.fc.weight.dtype)
+        self.context = 0  # context positions in the cache
+        self.hidden: torch.Tensor | None = None  # (1, 1, H) output hidden of the last context position
+        self.logits: torch.Tensor | None = None  # (Vd,) its draft logits
+        if features is not None:
+            self._append(features)
+
+    def _append(self, features: torch.Tensor) -> None:
+        fused = self.model.fuse(features.to(self.device, self.fused.dtype))
+        self.fused = torch.cat([self.fused, fused])
+
+    @torch.inference_mode()
+    def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator) -> Draft:
+        """`tokens` extends the tokens of the previous call; runs new context positions, then drafts a chain."""
+        model = self.model
+        ready = min(len(self.fused), len(tokens) - 1)  # positions whose (feature, next token) pair is known
+        if max_tokens < 1 or ready < 1:
+            return Draft.empty()
+        self.cache.crop(self.context)
+        if ready > self.context:
+            embeds = model.embed_tokens(tokens[self.context + 1 : ready + 1].to(self.device))[None]
+            positions = torch.arange(self.context, ready, device=self.device)
+            out = model.forward_hidden(embeds, self.fused[None, self.context : ready], positions, self.cache)
+            self.hidden, self.context = out[:, -1:], ready
+            self.logits = model.draft_logits(self.hidden)[0, -1]  # only the last position drafts
+        hidden, logits = self.hidden, self.logits
+        drafted, dists = [], []
+        for i in range(max_tokens):
+            token, q = self._pick(logits, temperature, generator)
+            drafted.append(token)
+            dists.append(q)
+            if i + 1 < max_tokens:
+                embeds = model.embed_tokens(token.view(1, 1))
+                position = torch.tensor([self.context + i], device=self.device)
+                hidden, out_logits = model(embeds, hidden, position, self.cache)
+                logits = out_logits[0, -1]
+        probs = torch.stack(dists).cpu() if temperature > 0 else None
+        return Draft(torch.stack(drafted).cpu(), probs)
+
+    def _pick(
+        self, logits: torch.Tensor, temperature: float, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy, or a sample from softmax(logits / T); returns the target id and q over the target vocabulary."""
+        if temperature <= 0:
+            return self.draft_ids[logits.argmax()], None
+        q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+        choice = torch.multinomial(q.cpu(), 1, generator=generator)[0].to(self.device)
+        full = q.new_zeros(self.model.config.vocab_size)
+        full[self.draft_ids] = q
+        return self.draft_ids[choice], full
+
+    @torch.inference_mode()
+    def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:
+        """Keep the target's features of the confirmed positions; drop the drafted positions from the cache."""
+        if features is not None:
+            self._append(features)
+        self.cache.crop(self.context)
+
+
+def save_checkpoint(model: Eagle3Model, directory: str | Path) -> Path:
+    """model.safetensors (every weight but the frozen embeddings, which come back from the target) + config.json."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in FROZEN}
+    tmp = directory / f".{WEIGHTS_FILE}.tmp{os.getpid()}"
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, directory / WEIGHTS_FILE)
+    tmp = directory / f".{CONFIG_FILE}.tmp{os.getpid()}"
+    tmp.write_text(model.config.model_dump_json(indent=2) + "\n")
+    os.replace(tmp, directory / CONFIG_FILE)
+    return directory
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a training run directory whose `latest` file names one."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise DraftsmithError(
+            f"{path} is not an EAGLE-3 checkpoint: expected {CONFIG_FILE} and {WEIGHTS_FILE} there",
+            hint="pass a training run directory (with a `latest` file) or one of its checkpoints/step-* directories",
+        )
+    return path
+
+
+def read_config(path: Path) -> Eagle3Config:
+    file = path / CONFIG_FILE
+    try:
+        return Eagle3Config(**json.loads(file.read_text()))
+    except (json.JSONDecodeError, ValidationError, TypeError) as exc:
+        raise DraftsmithError(
+            f"{file} is not a valid EAGLE-3 config: {str(exc).splitlines()[0]}",
+            hint="the checkpoint is damaged or was written by another tool; re-run `draftsmith train`",
+        ) from None
+
+
+def check_compatible(config: Eagle3Config, target: Target, where: str = "checkpoint") -> None:
+    """Fail before any long work when a drafter cannot run on `target`."""
+    checks = [
+        ("hidden size", config.hidden_size, target.hidden_size),
+        ("vocabulary size", config.vocab_size, target.vocab_size),
+    ]
+    for what, mine, theirs in checks:
+        if mine != theirs:
+            raise DraftsmithError(
+                f"{where} {what} {mine} != target {theirs}",
+                hint=f"this drafter was trained for {config.target or 'another target'}, not {target.name}",
+            )
+    if max(config.aux_layer_ids) >= target.num_layers:
+        raise DraftsmithError(
+            f"{where} reads layers {config.aux_layer_ids} but target {target.name} has {target.num_layers} layers",
+            hint=f"this drafter was trained for {config.target or 'another target'}",
+        )
+
+
+def load_eagle3(path: str | Path, target: Target, name: str | None = None) -> Eagle3Drafter:
+    """Load a checkpoint (or a run directory's latest one) as a drafter for `target`, on the target's device."""
+    path = resolve_checkpoint(path)
+    config = read_config(path)
+    check_compatible(config, target, where=f"checkpoint {path}:")
+    model = Eagle3Model(config)
+    state = load_file(path / WEIGHTS_FILE)
+    state.update({k: target.model.get_input_embeddings().weight.detach() for k in FROZEN})
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise DraftsmithError(
+            f"{path / WEIGHTS_FILE} does not match its {CONFIG_FILE}: {str(exc).splitlines()[0]}",
+            hint="the checkpoint is damaged; re-run `draftsmith train`",
+        ) from None
+    param = next(target.model.parameters())
+    return Eagle3Drafter(model.to(param.device, param.dtype), name or f"eagle3:{path}")

@@ -1,0 +1,378 @@
+"""The EAGLE-3 training loop: TTT loss, AdamW with warm-up + cosine, clipping, checkpoints, exact resume, DDP.
+
+Determinism is by construction, so a resumed run retraces an uninterrupted one: step s always trains on the same
+global batch (an endless stream of seeded per-epoch permutations, so the data position is the step number), the
+model starts from a seeded init, and a checkpoint holds the model, optimiser, scheduler and RNG states.
+
+Data parallelism: under torchrun (WORLD_SIZE > 1) every rank takes every world-th sequence of the global batch and
+the gradients are summed across ranks. Each micro-batch loss is already divided by the global batch's count of
+valid positions per TTT step, so the sum is the exact token-level mean whatever the world size or micro-batching.
+Only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pydantic import Field
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from safetensors.torch import load_file
+from torch.utils.data import Dataset
+
+from draftsmith.config import StageConfig
+from draftsmith.drafters.eagle3 import FROZEN, WEIGHTS_FILE, Eagle3Config, Eagle3Model, read_config, save_checkpoint
+from draftsmith.errors import ConfigError, DataError
+from draftsmith.train.losses import ttt_loss, valid_positions
+from draftsmith.train.metrics import MetricsWriter, StepStats, plot_curves, read_metrics
+from draftsmith.util import write_atomic
+
+STATE_FILE = "trainer_state.pt"
+# Settings a resumed run may change; any other difference would silently change the run, so it is an error.
+RESUMABLE = {"max_steps", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every"}
+
+
+class TrainConfig(StageConfig):
+    max_steps: int | None = Field(default=None, ge=1)  # overrides epochs
+    epochs: float = Field(default=1.0, gt=0)
+    batch_size: int = Field(default=8, ge=1)  # sequences per optimiser step, over all ranks
+    micro_batch_size: int = Field(default=1, ge=1)  # sequences per forward on one rank, padded to the longest
+    lr: float = Field(default=1e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_steps: int = Field(default=20, ge=0)
+    grad_clip: float = Field(default=0.5, gt=0)
+    ttt_steps: int = Field(default=7, ge=1)
+    step_weight: float = Field(default=0.8, gt=0)
+    checkpoint_every: int = Field(default=200, ge=1)
+    keep_checkpoints: int = Field(default=2, ge=1)
+    eval_every: int = Field(default=100, ge=1)
+    val_fraction: float = Field(default=0.05, ge=0, lt=1)
+    seed: int = 0
+    bf16: bool = False  # bf16 autocast (CPU or CUDA); weights, optimiser and losses stay fp32
+    max_length: int = Field(default=2048, ge=3)  # longer sequences are truncated
+
+
+@dataclass
+class TrainResult:
+    checkpoint: Path
+    steps: int
+    train: dict[str, float]  # the last step's metrics
+    val: dict[str, float] | None  # the last validation's metrics
+
+
+def train(
+    cfg: TrainConfig,
+    dataset: Dataset,
+    target_head: torch.Tensor,
+    embed_weight: torch.Tensor,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    model_config: Eagle3Config,
+    out_dir: str | Path,
+    resume: bool = True,
+) -> TrainResult:
+    """Train a drafter on `dataset` (dicts of input_ids, loss_mask, aux_hidden, last_hidden) into `out_dir`.
+
+    `target_head` (V, H) is the target's frozen output head: with `last_hidden` it gives the target distribution.
+    With `resume`, training continues from `out_dir/latest` when there is one; otherwise it starts over and
+    deletes the directory's earlier checkpoints.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
+    owns_group = world > 1 and not dist.is_initialized()
+    if owns_group:
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        return Trainer(cfg, dataset, target_head, embed_weight, d2t, t2d, model_config, Path(out_dir), device).run(
+            resume
+        )
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        dataset: Dataset,
+        target_head: torch.Tensor,
+        embed_weight: torch.Tensor,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+        model_config: Eagle3Config,
+        out_dir: Path,
+        device: torch.device,
+    ) -> None:
+        self.cfg, self.dataset, self.out_dir, self.device = cfg, dataset, out_dir, device
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        if cfg.batch_size % (cfg.micro_batch_size * self.world):
+            raise ConfigError(
+                f"batch_size {cfg.batch_size} is not a multiple of micro_batch_size {cfg.micro_batch_size} x "
+                f"{self.world} processes",
+                hint="pick a global batch size that splits evenly over processes and micro-batches",
+            )
+        check_dataset(dataset, model_config)
+        self.train_idx, self.val_idx = split_indices(len(dataset), cfg.val_fraction, cfg.seed)
+        self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(self.train_idx) / cfg.batch_size)
+
+        seed_everything(cfg.seed)
+        self.model = Eagle3Model.from_weights(model_config, embed_weight, target_head, d2t, t2d).to(device)
+        self.head = target_head.detach().to(device, torch.float32)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        warmup, total = cfg.warmup_steps, self.total_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total))
+        self.step = 0
+
+    def run(self, resume: bool) -> TrainResult:
+        cfg = self.cfg
+        latest = self.out_dir / "latest"
+        if resume and latest.is_file():
+            self.load(self.out_dir / latest.read_text().strip())
+        elif self.rank == 0:  # starting over: an earlier run's checkpoints must not outlive (or outrank) ours
+            shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
+            latest.unlink(missing_ok=True)
+        if self.world > 1:  # every rank starts from rank 0's weights, whatever happened before
+            for tensor in self.model.state_dict().values():
+                dist.broadcast(tensor, 0)
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        writer = MetricsWriter(self.out_dir, self.step) if self.rank == 0 else None
+        train_metrics: dict[str, float] = {}
+        val_metrics: dict[str, float] | None = None
+        columns = (
+            TextColumn("train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
+        with Progress(*columns, disable=self.rank != 0) as progress:
+            task = progress.add_task("train", total=self.total_steps, completed=self.step, info="")
+            while self.step < self.total_steps:
+                start = time.perf_counter()
+                stats, tokens, grad_norm = self.train_step()
+                seconds = time.perf_counter() - start
+                lr = self.scheduler.get_last_lr()[0]
+                self.scheduler.step()
+                self.step += 1
+                train_metrics = stats.summary(cfg.step_weight)
+                train_metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / seconds)
+                if writer:
+                    writer.log(self.step, "train", train_metrics)
+                done = self.step == self.total_steps
+                if self.val_idx and (self.step % cfg.eval_every == 0 or done):
+                    val_metrics = self.validate().summary(cfg.step_weight)
+                    if writer:
+                        writer.log(self.step, "val", val_metrics)
+                if self.step % cfg.checkpoint_every == 0 or done:
+                    self.save()
+                m = train_metrics
+                info = f"loss {m['loss']:.3f}  acc_0 {m['acc_0']:.2f}  {m['tokens_per_s']:,.0f} tok/s"
+                progress.update(task, completed=self.step, info=info)
+        last: dict[str, dict] = {}
+        if writer:
+            writer.close()
+            last = {record["split"]: record for record in read_metrics(self.out_dir)}
+            if last:
+                plot_curves(self.out_dir)
+        # A run that was already complete trains nothing: report what its log says.
+        train_metrics = train_metrics or last.get("train", {})
+        val_metrics = val_metrics or last.get("val")
+        return TrainResult(self.checkpoint_dir(self.step), self.step, train_metrics, val_metrics)
+
+    def micro_batches(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        mine = indices[self.rank :: self.world]
+        size = self.cfg.micro_batch_size
+        return [
+            collate([self.dataset[i] for i in mine[j : j + size]], self.cfg.max_length, self.device)
+            for j in range(0, len(mine), size)
+        ]
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
+
+    def train_step(self) -> tuple[StepStats, int, float]:
+        """One optimiser step over the global batch; returns its stats, token count and gradient norm."""
+        cfg = self.cfg
+        batches = self.micro_batches(global_batch(self.train_idx, self.step, cfg.batch_size, cfg.seed))
+        counts = torch.zeros(1 + cfg.ttt_steps, device=self.device)  # tokens, then valid positions per TTT step
+        for batch in batches:
+            counts[0] += batch["loss_mask"].numel()
+            counts[1:] += valid_positions(batch["loss_mask"], cfg.ttt_steps).sum((1, 2))
+        if self.world > 1:
+            dist.all_reduce(counts)
+        stats = StepStats.zeros(cfg.ttt_steps, self.device)
+        for batch in batches:
+            with self.autocast():
+                loss, batch_stats = ttt_loss(self.model, batch, self.head, cfg.ttt_steps, cfg.step_weight, counts[1:])
+            loss.backward()
+            stats += batch_stats
+        if self.world > 1:
+            for p in self.params:
+                dist.all_reduce(p.grad)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats.all_reduce(), int(counts[0]), grad_norm
+
+    @torch.no_grad()
+    def validate(self) -> StepStats:
+        cfg = self.cfg
+        stats = StepStats.zeros(cfg.ttt_steps, self.device)
+        ones = torch.ones(cfg.ttt_steps, device=self.device)
+        for batch in self.micro_batches(self.val_idx):
+            with self.autocast():
+                stats += ttt_loss(self.model, batch, self.head, cfg.ttt_steps, cfg.step_weight, ones)[1]
+        return stats.all_reduce()
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.out_dir / "checkpoints" / f"step-{step:06d}"
+
+    def save(self) -> None:
+        """Write the checkpoint under a temporary name, rename it into place, then point `latest` at it."""
+        if self.rank == 0:
+            final = self.checkpoint_dir(self.step)
+            tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_checkpoint(self.model, tmp)
+            state = {
+                "step": self.step,
+                "config": self.cfg.model_dump(mode="json"),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(),
+            }
+            torch.save(state, tmp / STATE_FILE)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            write_atomic(self.out_dir / "latest", f"checkpoints/{final.name}\n")
+            for old in sorted(final.parent.glob("step-*"))[: -self.cfg.keep_checkpoints]:
+                shutil.rmtree(old)
+        if self.world > 1:
+            dist.barrier()
+
+    def load(self, path: Path) -> None:
+        state = torch.load(path / STATE_FILE, map_location=self.device, weights_only=True)
+        current = self.cfg.model_dump(mode="json")
+        changed = {
+            k: (v, current.get(k)) for k, v in state["config"].items() if k not in RESUMABLE and v != current.get(k)
+        }
+        saved_model = read_config(path)
+        if saved_model != self.model.config:
+            changed["drafter shape"] = (saved_model.model_dump(), self.model.config.model_dump())
+        if changed:
+            field, (old, new) = next(iter(changed.items()))
+            raise ConfigError(
+                f"{self.out_dir} holds a run with {field}={old!r}, but this run has {field}={new!r}",
+                hint="train into a new output directory, or start over without resuming",
+            )
+        weights = load_file(path / WEIGHTS_FILE, device=str(self.device))
+        self.model.load_state_dict(weights | {k: self.model.state_dict()[k] for k in FROZEN})
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to zero at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """A seeded train/validation split; validation gets at least one sequence when asked for any."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = min(n - 1, max(1, round(n * val_fraction))) if val_fraction > 0 else 0
+    return order[n_val:], order[:n_val]
+
+
+@lru_cache(maxsize=4)
+def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+
+
+def global_batch(train_idx: list[int], step: int, batch_size: int, seed: int) -> list[int]:
+    """The sequences of optimiser step `step`: positions step*B .. step*B+B-1 of an endless chain of epochs."""
+    n = len(train_idx)
+    return [train_idx[_epoch_order(n, seed, g // n)[g % n]] for g in range(step * batch_size, (step + 1) * batch_size)]
+
+
+def collate(samples: list[dict[str, torch.Tensor]], max_length: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sequence (pads are masked out of the loss; causal attention never sees them)."""
+    length = min(max_length, max(len(s["input_ids"]) for s in samples))
+    width_aux, width = samples[0]["aux_hidden"].shape[-1], samples[0]["last_hidden"].shape[-1]
+    out = {
+        "input_ids": torch.zeros(len(samples), length, dtype=torch.long),
+        "loss_mask": torch.zeros(len(samples), length, dtype=torch.bool),
+        "aux_hidden": torch.zeros(len(samples), length, width_aux),
+        "last_hidden": torch.zeros(len(samples), length, width),
+    }
+    for i, sample in enumerate(samples):
+        n = min(length, len(sample["input_ids"]))
+        for key, value in out.items():
+            value[i, :n] = sample[key][:n].to(value.dtype)
+    return {key: value.to(device) for key, value in out.items()}
+
+
+def check_dataset(dataset: Dataset, config: Eagle3Config) -> None:
+    """Catch a store made for another target or layer count before any training starts."""
+    if len(dataset) == 0:
+        raise DataError("the training dataset is empty", hint="run `draftsmith extract` on some data first")
+    sample = dataset[0]
+    h = config.hidden_size
+    widths = [
+        ("aux_hidden", sample["aux_hidden"].shape[-1], 3 * h),
+        ("last_hidden", sample["last_hidden"].shape[-1], h),
+    ]
+    for name, found, expected in widths:
+        if found != expected:
+            raise DataError(
+                f"dataset {name} has width {found}, but the drafter for {config.target or 'this target'} expects "
+                f"{expected}",
+                hint="extract the hidden states with the same target and 3 aux layers",
+            )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """Every RNG a step could touch, as plain tensors and tuples (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
