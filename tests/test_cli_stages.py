@@ -9,7 +9,7 @@ from draftsmith.cli import app
 from tests.conftest import tiny_target
 
 
-def test_data_extract_vocab_chain(tmp_path):
+def test_data_extract_vocab_train_eval_chain(tmp_path):
     target = tiny_target(0, vocab_size=96)
     target.model.save_pretrained(tmp_path / "model")
     target.tokenizer.save_pretrained(tmp_path / "model")
@@ -35,6 +35,16 @@ def test_data_extract_vocab_chain(tmp_path):
     assert result.exit_code == 0, result.output
     tensors = load_file(tmp_path / "vocab" / "vocab.safetensors")
     assert tensors["d2t"].shape == (16,) and int(tensors["t2d"].sum()) == 16
+    result = run(app, ["train", str(tmp_path / "store"), "--vocab", str(tmp_path / "vocab"), "--target", model,
+                       "--out", str(tmp_path / "run"), "--max-steps", "4", "--batch-size", "2", "--ttt-steps", "3",
+                       "--checkpoint-every", "2", "--eval-every", "2", "--warmup-steps", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "run" / "latest").is_file() and (tmp_path / "run" / "metrics.jsonl").is_file()
+    result = run(app, ["eval", "--target", model, "--drafter", str(tmp_path / "run"), "--dataset", str(convs),
+                       "--limit", "2", "--max-new-tokens", "12", "--out", str(tmp_path / "eval")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["mismatches"] == 0 and report["prompts"] == 2
 
 
 def test_extract_refuses_an_unfinished_data_stage(tmp_path):

@@ -146,6 +146,55 @@ def vocab(
 
 @app.command()
 @user_errors
+def train(
+    store: Annotated[Path, typer.Argument(help="a `draftsmith extract` directory")],
+    vocab_dir: Annotated[Path, typer.Option("--vocab", help="a `draftsmith vocab` directory")] = Path("runs/vocab"),
+    out: Annotated[Path, typer.Option(help="run directory: checkpoints, metrics.jsonl, curves.png")] = Path(
+        "runs/train"
+    ),
+    target: TargetOpt = "smollm2-135m",
+    algo: Annotated[str, typer.Option(help="drafter algorithm (eagle3)")] = "eagle3",
+    max_steps: int | None = None,
+    epochs: float = 1.0,
+    batch_size: int = 8,
+    lr: float = 1e-4,
+    warmup_steps: int = 20,
+    ttt_steps: Annotated[int, typer.Option(help="training-time-test unroll length K")] = 7,
+    step_weight: Annotated[float, typer.Option(help="loss weight of step k is step_weight**k")] = 0.8,
+    checkpoint_every: int = 200,
+    eval_every: int = 100,
+    max_length: int = 2048,
+    seed: int = 0,
+    fresh: Annotated[bool, typer.Option(help="start over instead of resuming from OUT/latest")] = False,
+) -> None:
+    """Train an EAGLE-3 drafter with the training-time test on an extract store (resumes by default; torchrun: DDP)."""
+    options = {k: v for k, v in locals().items() if k not in {"store", "vocab_dir", "out", "target", "algo", "fresh"}}
+    from draftsmith.drafters.eagle3 import Eagle3Config
+    from draftsmith.errors import ConfigError
+    from draftsmith.store import HiddenStateStore
+    from draftsmith.target import load_target
+    from draftsmith.train.trainer import TrainConfig
+    from draftsmith.train.trainer import train as run_train
+    from draftsmith.vocab import DraftVocab
+
+    if algo != "eagle3":
+        raise ConfigError(f"unknown --algo {algo!r}", hint="eagle3 is the algorithm available now")
+    cfg = TrainConfig.checked(**options)
+    data = HiddenStateStore(store)
+    tgt = load_target(target)
+    data.check_compatible(tgt)
+    draft_vocab = DraftVocab.load(vocab_dir)
+    model_config = Eagle3Config.from_target(
+        tgt, len(draft_vocab.d2t), data.layer_ids, fingerprint=data.manifest["target_fingerprint"]
+    )
+    head = tgt.model.get_output_embeddings().weight.detach()
+    embed = tgt.model.get_input_embeddings().weight.detach()
+    result = run_train(cfg, data, head, embed, draft_vocab.d2t, draft_vocab.t2d, model_config, out, resume=not fresh)
+    console.print(f"trained {result.steps} steps; checkpoint {result.checkpoint}")
+
+
+@app.command()
+@user_errors
 def demo(
     data_dir: DataDirOpt = None,
     limit: Annotated[int, typer.Option(help="MT-bench prompts to evaluate")] = 8,

@@ -1,5 +1,7 @@
 """Drafters, and `build_drafter` which turns a `--drafter` string into one."""
 
+from pathlib import Path
+
 from draftsmith.drafters.base import Draft, Drafter, NullDrafter
 from draftsmith.errors import ConfigError
 from draftsmith.target import Target, load_target
@@ -8,9 +10,14 @@ __all__ = ["Draft", "Drafter", "NullDrafter", "build_drafter"]
 
 
 def build_drafter(spec: str, target: Target, dtype: str = "float32") -> Drafter:
-    """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM), or `none` (plain decoding)."""
+    """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM), `none` (plain decoding), or the
+    path of an EAGLE-3 checkpoint or training run directory."""
     from draftsmith.drafters.draft_model import ModelDrafter
+    from draftsmith.drafters.eagle3 import load_eagle3
     from draftsmith.drafters.ngram import NgramDrafter
+
+    if Path(spec).is_dir():
+        return load_eagle3(spec, target)
 
     kind, _, arg = spec.partition(":")
     if kind == "none" and not arg:
@@ -26,5 +33,5 @@ def build_drafter(spec: str, target: Target, dtype: str = "float32") -> Drafter:
         return ModelDrafter(load_target(arg, dtype=dtype), target)
     raise ConfigError(
         f"unknown drafter {spec!r}",
-        hint="use ngram, ngram:MIN-MAX, model:<hub id or directory>, or none",
+        hint="use ngram, ngram:MIN-MAX, model:<hub id or directory>, none, or an EAGLE-3 run/checkpoint directory",
     )
