@@ -28,16 +28,12 @@ from torch import nn
 
 from draftsmith.drafters.base import Draft
 from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.store import default_aux_layers
 from draftsmith.target import Target
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight",)  # a copy of the target's embeddings: restored from the target, never saved
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """The states entering layers (2, N//2, N-3), as EAGLE-3, vLLM and SGLang choose by default."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 class Eagle3Config(BaseModel):
@@ -72,7 +68,7 @@ class Eagle3Config(BaseModel):
         if len(aux_layer_ids) != 3 or not all(0 <= i < target.num_layers for i in aux_layer_ids):
             raise ConfigError(
                 f"EAGLE-3 needs 3 aux layer ids in [0, {target.num_layers}), got {tuple(aux_layer_ids)}",
-                hint=f"use the default {default_aux_layer_ids(target.num_layers)} for {target.name}",
+                hint=f"use the default {default_aux_layers(target.num_layers)} for {target.name}",
             )
         if not 0 < draft_vocab_size <= target.vocab_size:
             raise ConfigError(
