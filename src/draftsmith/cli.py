@@ -64,6 +64,7 @@ def eval_cmd(
 def run_eval(cfg) -> dict:
     from draftsmith.data.sources import load_eval_prompts
     from draftsmith.drafters import build_drafter
+    from draftsmith.drafters.eagle3 import resolve_checkpoint
     from draftsmith.evaluate import evaluate, print_report, write_report
     from draftsmith.target import load_target
 
@@ -71,6 +72,7 @@ def run_eval(cfg) -> dict:
     tgt = load_target(cfg.target, dtype=cfg.dtype)
     drafter = build_drafter(cfg.drafter, tgt, dtype=cfg.dtype)
     report = evaluate(tgt, drafter, dataset, prompts, cfg)
+    report["drafter_checkpoint"] = str(resolve_checkpoint(cfg.drafter)) if Path(cfg.drafter).is_dir() else None
     write_report(report, cfg.out)
     print_report(report, Console())
     console.print(f"wrote {cfg.out / 'report.json'} and {cfg.out / 'report.md'}")
