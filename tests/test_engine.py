@@ -16,9 +16,13 @@ def reference(target, prompt: list[int], max_new_tokens: int) -> list[int]:
     eos = min(target.eos_token_ids)
     ids = torch.tensor([prompt])
     out = target.model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=eos, pad_token_id=eos,
-    )[0, len(prompt):].tolist()
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )[0, len(prompt) :].tolist()
     return out[: out.index(eos) + 1] if eos in out else out
 
 

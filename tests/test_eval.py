@@ -14,9 +14,20 @@ from draftsmith.evaluate import evaluate, write_report
 from tests.conftest import tiny_target
 
 REQUIRED = {
-    "target": str, "drafter": str, "dataset": str, "prompts": int, "max_new_tokens": int, "new_tokens": int,
-    "target_forwards": int, "temperature": float, "acceptance_length": float, "acceptance_by_position": list,
-    "spec_tokens_per_s": float, "baseline_tokens_per_s": float, "speedup": float, "mismatches": int,
+    "target": str,
+    "drafter": str,
+    "dataset": str,
+    "prompts": int,
+    "max_new_tokens": int,
+    "new_tokens": int,
+    "target_forwards": int,
+    "temperature": float,
+    "acceptance_length": float,
+    "acceptance_by_position": list,
+    "spec_tokens_per_s": float,
+    "baseline_tokens_per_s": float,
+    "speedup": float,
+    "mismatches": int,
 }
 
 

@@ -236,7 +236,8 @@ def _load_named(name: str, data_dir: Path | None, limit: int | None) -> list[Con
             return list(islice(_iter_conversations(d / spec.file), limit))
 
     # Not local: try the hub. Offline mode is left to `datasets`, which then reads its cache or fails at once.
-    missing = f"{name}: {spec.file} not found in {', '.join(map(str, dirs)) or 'any data directory (none given)'}"
+    searched = ", ".join(dict.fromkeys(map(str, dirs)))  # data_dir and $DRAFTSMITH_DATA are often the same
+    missing = f"{name}: {spec.file} not found in {searched or 'any data directory (none given)'}"
     hint = f"pass --data-dir DIR or set DRAFTSMITH_DATA to a folder that holds {spec.file}"
     try:
         import datasets

@@ -52,9 +52,7 @@ class NullDrafter:
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
         pass
 
-    def propose(
-        self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator
-    ) -> Draft:
+    def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator) -> Draft:
         return Draft.empty()
 
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:

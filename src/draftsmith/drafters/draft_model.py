@@ -33,9 +33,7 @@ class ModelDrafter:
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
         self.cache = self.draft.new_cache()
 
-    def propose(
-        self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator
-    ) -> Draft:
+    def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator) -> Draft:
         feed = tokens[self.cache.get_seq_length() :]
         drafted, dists = [], []
         for i in range(max_tokens):

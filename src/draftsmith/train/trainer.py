@@ -95,9 +95,10 @@ def train(
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if cuda else "gloo")
     try:
-        return Trainer(cfg, dataset, target_head, embed_weight, d2t, t2d, model_config, Path(out_dir), device).run(
-            resume
-        )
+        check_dataset(dataset, model_config)
+        seed_everything(cfg.seed)
+        model = Eagle3Model.from_weights(model_config, embed_weight, target_head, d2t, t2d)
+        return Trainer(cfg, dataset, model, target_head, Path(out_dir), device).run(resume)
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -108,14 +109,12 @@ class Trainer:
         self,
         cfg: TrainConfig,
         dataset: Dataset,
+        model: Eagle3Model,
         target_head: torch.Tensor,
-        embed_weight: torch.Tensor,
-        d2t: torch.Tensor,
-        t2d: torch.Tensor,
-        model_config: Eagle3Config,
         out_dir: Path,
         device: torch.device,
     ) -> None:
+        """`model` is freshly initialised (seeded); `target_head` is the frozen target head for the target logits."""
         self.cfg, self.dataset, self.out_dir, self.device = cfg, dataset, out_dir, device
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -125,12 +124,10 @@ class Trainer:
                 f"{self.world} processes",
                 hint="pick a global batch size that splits evenly over processes and micro-batches",
             )
-        check_dataset(dataset, model_config)
         self.train_idx, self.val_idx = split_indices(len(dataset), cfg.val_fraction, cfg.seed)
         self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(self.train_idx) / cfg.batch_size)
 
-        seed_everything(cfg.seed)
-        self.model = Eagle3Model.from_weights(model_config, embed_weight, target_head, d2t, t2d).to(device)
+        self.model = model.to(device)
         self.head = target_head.detach().to(device, torch.float32)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
