@@ -6,6 +6,8 @@ prefix, so verification needs no other target call. Rejected drafts are cropped 
 """
 
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +46,6 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
 
-    @torch.inference_mode()
     def generate(
         self,
         prompt_ids: list[int],
@@ -53,6 +54,20 @@ class SpeculativeDecoder:
         top_p: float = 1.0,
         seed: int = 0,
     ) -> Generation:
+        steps = self.rounds(prompt_ids, max_new_tokens, temperature, top_p, seed)
+        return deque(steps, maxlen=1).pop()  # every step yields the same, growing Generation
+
+    @torch.inference_mode()
+    def rounds(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> Iterator[Generation]:
+        """`generate`, one step at a time: yields the growing `Generation` after the prefill and after every
+        verify round, so a caller can stream tokens, stop early, or interleave sequences between target forwards."""
         start = time.perf_counter()
         target, drafter, k_max = self.target, self.drafter, self.num_draft_tokens
         target.check_fits(len(prompt_ids), max_new_tokens)
@@ -74,6 +89,8 @@ class SpeculativeDecoder:
         n += 1
         result = Generation(tokens=[first], target_forwards=1, proposed=[0] * k_max, accepted=[0] * k_max)
         drafter.begin(prompt, out.aux_hidden)
+        result.seconds = time.perf_counter() - start
+        yield result
 
         while len(result.tokens) < max_new_tokens and result.tokens[-1] not in target.eos_token_ids:
             k = min(k_max, max_new_tokens - len(result.tokens) - 1)
@@ -103,5 +120,5 @@ class SpeculativeDecoder:
             seq[n : n + len(new)] = torch.tensor(new)
             n += len(new)
             result.tokens.extend(new)
-        result.seconds = time.perf_counter() - start
-        return result
+            result.seconds = time.perf_counter() - start
+            yield result
