@@ -216,5 +216,28 @@ def demo(
     run_eval(EvalConfig.checked(dataset=dataset, data_dir=data_dir, limit=limit, out=out))
 
 
+@app.command()
+@user_errors
+def serve(
+    target: TargetOpt = "smollm2-135m",
+    drafter: DrafterOpt = "ngram",
+    host: Annotated[str, typer.Option(help="interface to bind; the default serves this machine only")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port)")] = 8000,
+    model_name: Annotated[str | None, typer.Option(help="model id clients send (default: --target)")] = None,
+    num_draft_tokens: int = 7,
+    max_active: Annotated[int, typer.Option(help="requests decoded at once, interleaved round by round")] = 4,
+    max_queue: Annotated[int, typer.Option(help="requests that may wait; beyond it the server answers 429")] = 32,
+    default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none")] = 256,
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice)")] = None,
+    dtype: str = "float32",
+) -> None:
+    """An OpenAI-compatible HTTP server (completions, chat, streaming) that decodes speculatively."""
+    options = dict(locals())
+    from draftsmith.serve.server import ServeConfig
+    from draftsmith.serve.server import serve as run_serve
+
+    run_serve(ServeConfig.checked(**options))
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,290 @@
+"""The scheduler: a bounded queue in front of one worker thread that interleaves requests round by round.
+
+What it does, precisely:
+
+- One worker thread owns the target. It keeps up to `max_active` requests *active*; each has its own KV cache,
+  its own drafter state and its own seeded generator, and is advanced by `SpeculativeDecoder.rounds`, one target
+  forward (a prefill or one draft -> verify -> accept round) at a time. The worker cycles over the active requests,
+  one round each, so a new request starts after at most one round of every other request instead of after their
+  whole answers, and every stream keeps moving.
+- It does **not** batch forwards across requests: each forward is one sequence. The per-request caches have
+  different lengths, and a padded batch changes the floating-point results slightly, which would break the rule
+  that a T=0 answer equals the offline `draftsmith eval` answer token for token. Throughput therefore does not grow
+  with concurrency; latency is shared fairly.
+- Requests beyond `max_active` wait in a FIFO queue of at most `max_queue`; beyond that `submit` raises
+  `Overloaded` with a Retry-After estimate, so memory stays bounded (each active request holds one KV cache of at
+  most the context length).
+- A cancelled request (the client went away) leaves the queue at once, or leaves the active set before its next
+  round, so its slot is freed within one round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import math
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.decode.engine import Generation, SpeculativeDecoder
+from draftsmith.drafters.base import Drafter
+from draftsmith.serve.metrics import ServerMetrics
+from draftsmith.serve.text import TextStream
+from draftsmith.target import Target
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What the engine needs for one answer, already validated against the context."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Event:
+    """One step of an answer, from the worker to the request's handler."""
+
+    text: str  # new text to send (may be empty)
+    tokens: int  # tokens generated in this step
+    finish_reason: str | None = None  # set on the last event: "stop" | "length"
+    error: str | None = None  # set instead when the engine failed
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    target_forwards: int = 0
+
+
+class Overloaded(Exception):
+    """The queue is full; retry after `retry_after` seconds."""
+
+    def __init__(self, retry_after: int, queued: int) -> None:
+        super().__init__(f"the server is at capacity ({queued} requests queued)")
+        self.retry_after, self.queued = retry_after, queued
+
+
+@dataclass(eq=False)  # a job is itself, not its fields: two identical requests are two jobs
+class Job:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    usage: Usage = field(init=False)
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.usage = Usage(prompt_tokens=len(self.request.prompt_ids))
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the request's event loop (called from the worker thread)."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server is shutting down, nobody listens
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass
+class _Active:
+    job: Job
+    steps: Iterator[Generation]
+    text: TextStream
+    started: float
+    seen: int = 0  # tokens already turned into events
+    forwards: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter,
+        metrics: ServerMetrics,
+        num_draft_tokens: int = 7,
+        max_active: int = 4,
+        max_queue: int = 32,
+    ) -> None:
+        self.target, self.template, self.metrics = target, drafter, metrics
+        self.num_draft_tokens, self.max_active, self.max_queue = num_draft_tokens, max_active, max_queue
+        self._pending: deque[Job] = deque()
+        self._wake = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self._active_count = 0
+        self._service_seconds = 1.0  # moving average of a request's time in a slot, for Retry-After
+        with metrics.update():
+            metrics.queue_capacity.set(max_queue)
+            metrics.slots.set(max_active)
+
+    # ---- called from the event loop -------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> Job:
+        job = Job(request, asyncio.get_running_loop())
+        with self._wake:
+            if len(self._pending) >= self.max_queue:
+                with self.metrics.update():
+                    self.metrics.rejected.inc()
+                raise Overloaded(self._retry_after(), len(self._pending))
+            self._pending.append(job)
+            with self.metrics.update():
+                self.metrics.queue_depth.set(len(self._pending))
+                self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+            self._wake.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop a queued job now, an active one before its next round."""
+        if job.done:
+            return
+        job.cancelled.set()
+        with self._wake:
+            if job in self._pending:
+                self._pending.remove(job)
+                job.done = True
+                with self.metrics.update():
+                    self.metrics.queue_depth.set(len(self._pending))
+                    self.metrics.finished.inc(reason="cancelled")
+
+    def load(self) -> tuple[int, int]:
+        """(active, queued) right now."""
+        with self._wake:
+            return self._active_count, len(self._pending)
+
+    def _retry_after(self) -> int:
+        """Seconds until a queue slot is likely free: the queue ahead, drained `max_active` at a time."""
+        waves = (len(self._pending) + 1) / self.max_active
+        return max(1, min(60, math.ceil(waves * self._service_seconds)))
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="draftsmith-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._running = False
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the worker thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        active: list[_Active] = []
+        while True:
+            with self._wake:
+                self._publish(len(active))
+                while self._running and not self._pending and not active:
+                    self._wake.wait()
+                if not self._running:
+                    break
+                admitted = [
+                    self._pending.popleft() for _ in range(min(len(self._pending), self.max_active - len(active)))
+                ]
+                self._publish(len(active) + len(admitted))
+            active.extend(self._start(job) for job in admitted)
+            for slot in list(active):
+                if not self._step(slot):
+                    active.remove(slot)
+        self._shut_down(active)
+
+    def _publish(self, active: int) -> None:
+        """Update the load figures (the caller holds `_wake`)."""
+        self._active_count = active
+        with self.metrics.update():
+            self.metrics.queue_depth.set(len(self._pending))
+            self.metrics.active.set(active)
+
+    def _shut_down(self, active: list[_Active]) -> None:
+        """Tell every waiting and running request that the server is going away."""
+        with self._wake:
+            waiting, self._pending = list(self._pending), deque()
+        for slot in active:
+            slot.steps.close()
+        for job in waiting + [slot.job for slot in active]:
+            job.done = True
+            job.emit(Event("", 0, error="the server is shutting down"))
+
+    def _start(self, job: Job) -> _Active:
+        req = job.request
+        decoder = SpeculativeDecoder(self.target, fork_drafter(self.template), self.num_draft_tokens)
+        steps = decoder.rounds(req.prompt_ids, req.max_tokens, req.temperature, req.top_p, req.seed)
+        now = time.perf_counter()
+        with self.metrics.update():
+            self.metrics.queue_wait.observe(now - job.submitted)
+        return _Active(job, steps, TextStream(self.target.tokenizer, list(req.stop)), started=now)
+
+    def _step(self, slot: _Active) -> bool:
+        """Advance one request by one target forward; False when it has left the active set."""
+        job = slot.job
+        if job.cancelled.is_set():
+            self._finish(slot, "cancelled")
+            return False
+        try:
+            gen = next(slot.steps)
+        except Exception as exc:  # a bug, not a user error: the request fails, the server keeps serving
+            traceback.print_exc(file=sys.stderr)
+            self._finish(slot, "error")
+            job.emit(Event("", 0, error=f"{type(exc).__name__}: {exc}"))
+            return False
+        new = gen.tokens[slot.seen :]
+        slot.seen = len(gen.tokens)
+        forwards, slot.forwards = gen.target_forwards - slot.forwards, gen.target_forwards
+        job.usage.completion_tokens, job.usage.target_forwards = len(gen.tokens), gen.target_forwards
+        text = slot.text.push(new)
+        with self.metrics.update():
+            if slot.seen == len(new):
+                self.metrics.ttft.observe(time.perf_counter() - job.submitted)
+            self.metrics.generation_tokens.inc(len(new))
+            self.metrics.target_forwards.inc(forwards)
+            self.metrics.acceptance.observe(len(new))
+        reason = None
+        if slot.text.stopped or gen.tokens[-1] in self.target.eos_token_ids:
+            reason = "stop"
+        elif len(gen.tokens) >= job.request.max_tokens:
+            reason = "length"
+        if reason is None:
+            job.emit(Event(text, len(new)))
+            return True
+        job.emit(Event(text + slot.text.finish(), len(new), finish_reason=reason))
+        self._finish(slot, reason)
+        return False
+
+    def _finish(self, slot: _Active, reason: str) -> None:
+        slot.steps.close()
+        slot.job.done = True
+        now = time.perf_counter()
+        self._service_seconds = 0.8 * self._service_seconds + 0.2 * (now - slot.started)
+        with self.metrics.update():
+            self.metrics.finished.inc(reason=reason)
+            if reason in ("stop", "length"):
+                self.metrics.e2e.observe(now - slot.job.submitted)
+
+
+def fork_drafter(template: Drafter) -> Drafter:
+    """A drafter of its own for one request: weights shared, per-sequence state (caches, n-gram yields) copied.
+
+    Interleaved requests cannot share one drafter, whose state follows one sequence. Modules, targets and tensors
+    at the top level are shared (a drafter's `begin` rebinds the per-sequence ones); everything else is deep-copied
+    from the untouched template, so each request's drafts, and hence its samples at T>0, do not depend on which
+    other requests ran before or beside it.
+    """
+    shared = (torch.nn.Module, torch.Tensor, Target)
+    memo = {id(v): v for v in vars(template).values() if isinstance(v, shared)}
+    with torch.inference_mode():
+        return copy.deepcopy(template, memo)
