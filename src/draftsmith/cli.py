@@ -64,15 +64,15 @@ def eval_cmd(
 def run_eval(cfg) -> dict:
     from draftsmith.data.sources import load_eval_prompts
     from draftsmith.drafters import build_drafter
-    from draftsmith.drafters.eagle3 import resolve_checkpoint
     from draftsmith.evaluate import evaluate, print_report, write_report
+    from draftsmith.formats.load import checkpoint_dir
     from draftsmith.target import load_target
 
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
     tgt = load_target(cfg.target, dtype=cfg.dtype)
     drafter = build_drafter(cfg.drafter, tgt, dtype=cfg.dtype)
     report = evaluate(tgt, drafter, dataset, prompts, cfg)
-    report["drafter_checkpoint"] = str(resolve_checkpoint(cfg.drafter)) if Path(cfg.drafter).is_dir() else None
+    report["drafter_checkpoint"] = str(checkpoint_dir(cfg.drafter)) if Path(cfg.drafter).is_dir() else None
     write_report(report, cfg.out)
     print_report(report, Console())
     console.print(f"wrote {cfg.out / 'report.json'} and {cfg.out / 'report.md'}")
@@ -237,6 +237,50 @@ def serve(
     from draftsmith.serve.server import serve as run_serve
 
     run_serve(ServeConfig.checked(**options))
+
+
+@app.command()
+@user_errors
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="a `draftsmith train` run or one of its checkpoints")],
+    format: Annotated[str, typer.Option("--format", help="speculators (vLLM) | sglang | eagle (vLLM native)")] = (
+        "speculators"
+    ),
+    out: Annotated[Path, typer.Option(help="directory to write (an earlier export is replaced)")] = Path("runs/export"),
+    verifier: Annotated[str | None, typer.Option(help="target as the engine loads it (hub id or path)")] = None,
+    store: Annotated[Path | None, typer.Option(help="the extract store it was trained on (model card)")] = None,
+    report: Annotated[Path | None, typer.Option(help="a `draftsmith eval` report.json (model card)")] = None,
+    speculative_tokens: Annotated[int | None, typer.Option(help="draft tokens per step (default: TTT depth)")] = None,
+    dtype: Annotated[str, typer.Option(help="weight dtype: float32 | bfloat16 | float16")] = "float32",
+) -> None:
+    """Write an EAGLE-3 checkpoint as a directory vLLM or SGLang loads, with config.json and a README model card."""
+    from draftsmith.formats.export import export as run_export
+
+    path = run_export(
+        checkpoint, out, format, verifier=verifier, store=store, report=report,
+        speculative_tokens=speculative_tokens, dtype=dtype,
+    )  # fmt: skip
+    console.print(f"wrote {path} ({format}); serve it with the commands in {path / 'README.md'}")
+
+
+@app.command()
+@user_errors
+def doctor(
+    path: Annotated[Path, typer.Argument(help="a drafter: draftsmith run/checkpoint, speculators or SGLang export")],
+    target: Annotated[str | None, typer.Option(help="target as it will be served (default: the recorded one)")] = None,
+    dtype: Annotated[str, typer.Option(help="serving dtype of the target: float32 | bfloat16 | float16")] = "float32",
+    store: Annotated[Path | None, typer.Option(help="the extract store it was trained on")] = None,
+    samples: Annotated[int, typer.Option(help="stored samples to recompute hidden states for")] = 4,
+    prompts: Annotated[int, typer.Option(help="prompts for the acceptance smoke test")] = 4,
+    max_new_tokens: int = 32,
+) -> None:
+    """Check a drafter against its target: weight names, d2t/t2d, aux layers, hidden states, acceptance."""
+    from draftsmith.formats.doctor import diagnose, exit_code, print_checks, serving_target
+
+    name, tgt = serving_target(path, target, dtype, console)
+    checks = diagnose(path, tgt, store, samples=samples, prompts=prompts, max_new_tokens=max_new_tokens)
+    print_checks(checks, f"draftsmith doctor {path} (target {name or 'none'})", Console())
+    raise typer.Exit(exit_code(checks))
 
 
 if __name__ == "__main__":
