@@ -283,5 +283,51 @@ def doctor(
     raise typer.Exit(exit_code(checks))
 
 
+bench_app = typer.Typer(add_completion=False, help="Load-test an OpenAI-compatible endpoint; compare two runs.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback(invoke_without_command=True)
+@user_errors
+def bench(
+    ctx: typer.Context,
+    url: Annotated[str, typer.Option(help="base URL of any OpenAI-compatible server")] = "http://127.0.0.1:8000",
+    model: Annotated[str | None, typer.Option(help="model id to request (default: the first of /v1/models)")] = None,
+    concurrency: Annotated[str, typer.Option(help="comma-separated concurrency levels")] = "1,2,4,8",
+    prompts: DatasetOpt = "builtin",
+    data_dir: DataDirOpt = None,
+    num_prompts: Annotated[int, typer.Option(help="requests per level (prompts repeat if there are fewer)")] = 16,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    endpoint: Annotated[str, typer.Option(help="chat | completions")] = "chat",
+    seed: int = 0,
+    timeout: Annotated[float, typer.Option(help="seconds per request")] = 600.0,
+    out: Annotated[Path, typer.Option(help="where result.json, result.md and the PNGs go")] = Path("runs/bench"),
+) -> None:
+    """Streamed load at each concurrency level: TTFT, ITL, e2e latency, tokens/s, errors; JSON + Markdown + PNGs."""
+    if ctx.invoked_subcommand:
+        return
+    options = {k: v for k, v in locals().items() if k != "ctx"}
+    from draftsmith.bench import bench as run_bench
+    from draftsmith.bench.run import BenchConfig
+
+    cfg = BenchConfig.checked(**options)
+    run_bench(cfg, log=console.print)
+    console.print(f"wrote {cfg.out / 'result.json'}, result.md, throughput.png and latency.png")
+
+
+@bench_app.command("compare")
+@user_errors
+def bench_compare(
+    a: Annotated[Path, typer.Argument(help="result.json of the baseline run (A)")],
+    b: Annotated[Path, typer.Argument(help="result.json of the run to compare (B)")],
+) -> None:
+    """B / A per concurrency level: throughput (>1: B faster) and latency (<1: B faster)."""
+    from draftsmith.bench.compare import compare, load_result, print_comparison
+
+    result_a, result_b = load_result(a), load_result(b)
+    print_comparison(compare(result_a, result_b), str(a), str(b), Console())
+
+
 if __name__ == "__main__":
     app()
