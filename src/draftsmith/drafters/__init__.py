@@ -11,13 +11,14 @@ __all__ = ["Draft", "Drafter", "NullDrafter", "build_drafter"]
 
 def build_drafter(spec: str, target: Target, dtype: str = "float32") -> Drafter:
     """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM), `none` (plain decoding), or the
-    path of an EAGLE-3 checkpoint or training run directory."""
+    path of an EAGLE-3 directory: a draftsmith checkpoint or training run, or a speculators / SGLang / EAGLE export
+    (converted on load, see `draftsmith.formats`)."""
     from draftsmith.drafters.draft_model import ModelDrafter
-    from draftsmith.drafters.eagle3 import load_eagle3
     from draftsmith.drafters.ngram import NgramDrafter
+    from draftsmith.formats.load import load_drafter
 
     if Path(spec).is_dir():
-        return load_eagle3(spec, target)
+        return load_drafter(spec, target)
 
     kind, _, arg = spec.partition(":")
     if kind == "none" and not arg:

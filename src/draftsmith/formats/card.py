@@ -1,0 +1,151 @@
+"""The README.md model card of an export: what it is for, how to serve it, and what it was made from.
+
+The card states the aux-layer convention in both our words and the engine's, the architecture switches, and what a
+format cannot express, because the costly failures are the silent ones: a drafter served with the wrong layers or
+norms loads fine and just stops being accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from draftsmith.drafters.eagle3 import Eagle3Config
+from draftsmith.formats.common import CONVENTION, SGLANG_CONVENTION, SGLANG_RULE
+
+
+def serve_commands(fmt: str, verifier: str, out: Path, k: int) -> list[str]:
+    spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": k})
+    vllm = f"vllm serve {verifier} --speculative-config '{spec}'"
+    if fmt == "speculators":
+        return [f"vllm serve {out}", vllm]
+    if fmt == "eagle":
+        return [vllm]
+    return [
+        f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+        f"--speculative-num-draft-tokens {k + 1}"
+    ]
+
+
+def render_card(
+    fmt: str, config: Eagle3Config, prov: dict[str, Any], engine_config: dict[str, Any], verifier: str, out: Path
+) -> str:
+    k = prov["speculative_tokens"]
+    engine_ids = (
+        engine_config.get("eagle_aux_hidden_state_layer_ids")
+        or engine_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    )
+    ours = list(config.aux_layer_ids)
+    engine = {"speculators": "vLLM", "eagle": "vLLM (native EAGLE-3 loader)", "sglang": "SGLang"}[fmt]
+    lines = [
+        f"# EAGLE-3 drafter for {config.target or verifier}",
+        "",
+        f"Exported by {prov['exported_by']} in the `{fmt}` layout for {engine}, from `{prov['source_checkpoint']}`.",
+        "",
+        "## Serve it",
+        "",
+        "```bash",
+        *serve_commands(fmt, verifier, out, k),
+        "```",
+        "",
+        f"Check it first: `draftsmith doctor {out} --target {config.target or verifier}` (add `--store STORE` to "
+        "compare the target's hidden states with the ones it was trained on).",
+        "",
+        "## Target and hidden states",
+        "",
+        f"- target: `{config.target}` (draftsmith fingerprint `{config.target_fingerprint or 'unknown'}`), "
+        f"served as `{verifier}`",
+        f"- hidden size {config.hidden_size}, {config.num_attention_heads} heads ({config.num_key_value_heads} KV), "
+        f"target vocabulary {config.vocab_size}, draft vocabulary {config.draft_vocab_size} (`d2t`: target id = "
+        "draft id + d2t[draft id]; `t2d`: mask of the target ids in the draft vocabulary)",
+        f"- aux hidden states: draftsmith layer ids {ours}, meaning the {CONVENTION}",
+        f"- in config.json: `eagle_aux_hidden_state_layer_ids` = {engine_ids}, in {engine}'s convention: "
+        + (f"the {SGLANG_CONVENTION}" if fmt == "sglang" else f"the {CONVENTION} (the same ids)"),
+    ]
+    if fmt == "sglang":
+        lines.append(
+            f"- {SGLANG_RULE}. "
+            + (
+                "These ids start at 1, so every SGLang version reads them the same way."
+                if engine_ids[0] == 1
+                else "These ids do not start at 1: SGLang versions disagree on them (`draftsmith doctor` warns). "
+                "Prefer the speculators export for vLLM."
+            )
+        )
+        lines.append("- do not serve this directory with vLLM: vLLM reads these ids as inputs of layers (off by one)")
+    lines += [
+        "",
+        "## Architecture",
+        "",
+        "One Llama decoder layer whose attention reads cat(input_layernorm(embed(token)), hidden_norm(h)); the "
+        "residual is h itself; no norm before `fc`; the final `norm` feeds `lm_head`, and the *pre-norm* output "
+        "hidden is the next draft step's h. As speculators switches: `norm_before_residual: false`, "
+        "`norm_before_fc: false`, `fc_norm: false`, `norm_output: false`.",
+        "",
+        "Not expressible by these switches, stated here instead: the layer is Llama-style whatever the target's "
+        "family (no q/k norms, no biases, plain RoPE with theta "
+        f"{config.rope_theta:g}); the token embeddings are the target's own, frozen and not shipped (engines share "
+        "the target's).",
+        "",
+        "## Data and training",
+        "",
+        *_data_lines(prov.get("store")),
+        *_training_lines(prov.get("training")),
+        "",
+        "## Measured acceptance",
+        "",
+        *_acceptance_lines(prov.get("acceptance"), prov.get("training")),
+        "",
+        "## Files",
+        "",
+        "- `config.json`: engine config, plus a `draftsmith` block (provenance; engines ignore it)",
+        "- `model.safetensors`: "
+        + ("`layers.0.*`" if fmt == "speculators" else "`midlayer.*`")
+        + ", `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _data_lines(store: dict[str, Any] | None) -> list[str]:
+    if not store:
+        return ["- data: not recorded (pass `--store` to `draftsmith export`)"]
+    backend = store.get("backend") or {}
+    return [
+        f"- data: hidden-state store `{store['path']}`: {store['samples']} samples, {store['tokens']} tokens "
+        f"({store['masked_tokens']} trained on), stored as {store['dtype']}, extracted with "
+        f"{backend.get('name', '?')} {backend.get('transformers', '')} / torch {backend.get('torch', '?')}",
+    ]
+
+
+def _training_lines(training: dict[str, Any] | None) -> list[str]:
+    if not training:
+        return ["- training budget: not recorded (no trainer_state.pt beside the checkpoint)"]
+    return [
+        f"- training budget: {training['steps']} steps x {training['batch_size']} sequences "
+        f"({training['sequences']} sequences, up to {training['max_length']} tokens each), training-time test depth "
+        f"{training['ttt_steps']}, lr {training['lr']}, seed {training['seed']}"
+    ]
+
+
+def _acceptance_lines(acc: dict[str, Any] | None, training: dict[str, Any] | None) -> list[str]:
+    lines = []
+    if acc:
+        by_pos = ", ".join(f"{p:.2f}" for p in acc["acceptance_by_position"])
+        lines.append(
+            f"- acceptance length **{acc['acceptance_length']:.2f}** tokens per target forward on "
+            f"`{acc['dataset']}` ({acc['prompts']} prompts, T={acc['temperature']}, up to "
+            f"{acc['num_draft_tokens']} draft tokens; `draftsmith eval`, {acc['report']})"
+        )
+        lines.append(f"- P(accepted) by draft position: {by_pos}")
+    else:
+        lines.append("- not measured: run `draftsmith eval --drafter DIR` and pass its report with `--report`")
+    if training and training.get("val_acc"):
+        lines.append(
+            f"- estimate from validation top-1 agreement at step {training['val_step']}: "
+            f"{training['val_acceptance_length_estimate']:.2f} tokens per forward "
+            f"(acc_k = {', '.join(f'{a:.2f}' for a in training['val_acc'])})"
+        )
+    return lines

@@ -1,0 +1,198 @@
+"""`draftsmith export`: a trained EAGLE-3 checkpoint as a directory vLLM or SGLang loads, with a model card.
+
+The directory is built under a temporary name and renamed into place, so a crash never leaves a half export that
+looks whole. Every export carries a `draftsmith` block in its config.json (source checkpoint, target fingerprint,
+the aux layer ids in our convention and what the engine ids mean, data, training budget, measured acceptance):
+engines ignore unknown config keys, and `doctor` and the importer use it to tell a shifted id from a convention.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.drafters.eagle3 import read_config, resolve_checkpoint
+from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.formats import sglang, speculators
+from draftsmith.formats.card import render_card
+from draftsmith.formats.common import (
+    CARD_FILE,
+    CONFIG_FILE,
+    CONVENTION,
+    PROVENANCE_KEY,
+    SGLANG_CONVENTION,
+    load_weights,
+    save_weights,
+    verifier_architectures,
+    verifier_name,
+    write_json,
+)
+
+FORMATS = ("speculators", "sglang", "eagle")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export(
+    source: str | Path,
+    out: str | Path,
+    fmt: str = "speculators",
+    *,
+    verifier: str | None = None,
+    store: str | Path | None = None,
+    report: str | Path | None = None,
+    speculative_tokens: int | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """Write `out` in `fmt` from a draftsmith checkpoint or training run; returns `out`.
+
+    `verifier` is what the engine loads as the target (default: the hub id of a built-in target, the absolute
+    path of a target directory); `store` and `report` (a `draftsmith eval` report.json) fill in the model card.
+    """
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown export format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown export dtype {dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
+    ckpt = resolve_checkpoint(source)
+    config = read_config(ckpt)
+    state = load_weights(ckpt)
+    state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
+    training = training_summary(ckpt)
+    k = speculative_tokens or (training or {}).get("ttt_steps") or 3
+    architectures = verifier_architectures(verifier or config.target)
+    verifier = verifier or verifier_name(config.target)
+    provenance = {
+        "format": fmt,
+        "exported_by": f"draftsmith {version('draftsmith')}",
+        "source_checkpoint": str(ckpt.resolve()),
+        "target": config.target,
+        "target_fingerprint": config.target_fingerprint,
+        "aux_layer_ids": list(config.aux_layer_ids),
+        "aux_layer_convention": CONVENTION,
+        "aux_layer_ids_mean": "output" if fmt == "sglang" else "input",
+        "engine_aux_layer_convention": SGLANG_CONVENTION if fmt == "sglang" else CONVENTION,
+        "speculative_tokens": k,
+        "store": store_summary(Path(store)) if store else None,
+        "training": training,
+        "acceptance": acceptance_summary(Path(report)) if report else None,
+    }
+    if fmt == "speculators":
+        cfg = speculators.export_config(config, verifier, architectures, k, dtype, provenance)
+        weights = speculators.export_state(state)
+    else:
+        cfg = sglang.export_config(config, fmt, dtype, provenance)
+        weights = sglang.export_state(state)
+
+    out = Path(out)
+    _check_out(out)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_weights(weights, tmp)
+    write_json(tmp / CONFIG_FILE, cfg)
+    (tmp / CARD_FILE).write_text(render_card(fmt, config, provenance, cfg, verifier, out.resolve()))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _check_out(out: Path) -> None:
+    """Overwrite only an empty directory or an earlier export, never someone's other files."""
+    if not out.exists():
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    try:
+        if "exported_by" in (json.loads((out / CONFIG_FILE).read_text()).get(PROVENANCE_KEY) or {}):
+            return
+    except (OSError, json.JSONDecodeError, AttributeError):
+        pass
+    raise DraftsmithError(
+        f"{out} exists and is not an earlier draftsmith export", hint="pick a new --out, or delete the directory"
+    )
+
+
+def training_summary(ckpt: Path) -> dict[str, Any] | None:
+    """Steps, batch, TTT depth and the last validation metrics of the run that wrote `ckpt`, where recorded."""
+    state_file = ckpt / "trainer_state.pt"
+    if not state_file.is_file():
+        return None
+    state = torch.load(state_file, map_location="cpu", weights_only=True)
+    cfg = state.get("config", {})
+    summary: dict[str, Any] = {
+        "steps": int(state.get("step", 0)),
+        "batch_size": cfg.get("batch_size"),
+        "sequences": int(state.get("step", 0)) * int(cfg.get("batch_size") or 0),
+        "max_length": cfg.get("max_length"),
+        "ttt_steps": cfg.get("ttt_steps"),
+        "lr": cfg.get("lr"),
+        "seed": cfg.get("seed"),
+    }
+    metrics = ckpt.parent.parent / "metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        val = [r for r in rows if r.get("split") == "val" and r.get("step", 0) <= summary["steps"]]
+        if val:
+            accs = [val[-1][key] for key in sorted((k for k in val[-1] if k.startswith("acc_")), key=_step_of)]
+            summary["val_step"] = val[-1]["step"]
+            summary["val_acc"] = accs
+            summary["val_acceptance_length_estimate"] = expected_acceptance(accs)
+    return summary
+
+
+def _step_of(key: str) -> int:
+    return int(key.split("_")[1])
+
+
+def expected_acceptance(accs: list[float]) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: tokens per forward if acc_k is P(draft k right | drafts before it right)."""
+    total, chain = 1.0, 1.0
+    for acc in accs:
+        chain *= acc
+        total += chain
+    return total
+
+
+def store_summary(path: Path) -> dict[str, Any]:
+    from draftsmith.store import HiddenStateStore
+
+    m = HiddenStateStore(path).manifest
+    return {
+        "path": str(path.resolve()),
+        "samples": m.get("samples"),
+        "tokens": m.get("tokens"),
+        "masked_tokens": m.get("masked_tokens"),
+        "dtype": m.get("dtype"),
+        "layer_ids": m.get("layer_ids"),
+        "layer_convention": m.get("layer_convention"),
+        "backend": m.get("backend"),
+        "target": m.get("target"),
+        "target_fingerprint": m.get("target_fingerprint"),
+    }
+
+
+def acceptance_summary(path: Path) -> dict[str, Any]:
+    report_file = path / "report.json" if path.is_dir() else path
+    try:
+        r = json.loads(report_file.read_text())
+        return {
+            "report": str(report_file.resolve()),
+            "acceptance_length": r["acceptance_length"],
+            "acceptance_by_position": r["acceptance_by_position"],
+            "dataset": r.get("dataset"),
+            "prompts": r.get("prompts"),
+            "temperature": r.get("temperature"),
+            "num_draft_tokens": r.get("num_draft_tokens"),
+            "speedup": r.get("speedup"),
+            "drafter_checkpoint": r.get("drafter_checkpoint"),
+        }
+    except (OSError, json.JSONDecodeError, KeyError) as exc:
+        raise DraftsmithError(
+            f"{report_file} is not a `draftsmith eval` report: {exc}",
+            hint="pass the report.json (or its directory) that `draftsmith eval --drafter RUN` wrote",
+        ) from None

@@ -1,0 +1,99 @@
+"""Read any drafter directory -- ours, speculators, SGLang/EAGLE -- and run it as our `Eagle3Drafter`.
+
+`build_drafter` calls `load_drafter` for every directory, so `draftsmith eval --drafter DIR` takes a public EAGLE-3
+checkpoint as readily as one of our training runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from draftsmith.drafters.eagle3 import (
+    FROZEN,
+    Eagle3Drafter,
+    Eagle3Model,
+    check_compatible,
+    load_eagle3,
+    read_config,
+    resolve_checkpoint,
+)
+from draftsmith.errors import DraftsmithError
+from draftsmith.formats import sglang, speculators
+from draftsmith.formats.common import CONFIG_FILE, EMBED_KEY, Converted, check_state, load_weights, read_json
+from draftsmith.target import Target
+
+
+def detect_format(path: str | Path) -> str:
+    """draftsmith (a checkpoint or a training run), speculators, or sglang/eagle (the native layout)."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        return "draftsmith"
+    raw = read_json(path / CONFIG_FILE)
+    if "speculators_model_type" in raw:
+        return "speculators"
+    if "aux_layer_ids" in raw and "hidden_size" in raw:
+        return "draftsmith"
+    if sglang.is_native(raw):
+        fmt = (raw.get("draftsmith") or {}).get("format")
+        return fmt if fmt in sglang.FLAVOURS else "sglang"
+    raise DraftsmithError(
+        f"{path / CONFIG_FILE} is not an EAGLE-3 drafter config: no speculators_model_type, no "
+        "LlamaForCausalLMEagle3 architecture, no draftsmith aux_layer_ids",
+        hint="pass a draftsmith run/checkpoint, a speculators EAGLE-3 directory or an SGLang/EAGLE-3 directory",
+    )
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The directory that holds the weights: a run's latest checkpoint, else the directory itself."""
+    return resolve_checkpoint(path) if detect_format(path) == "draftsmith" else Path(path)
+
+
+def read_drafter(path: str | Path, num_layers: int | None = None) -> Converted:
+    """Any supported directory as our config + state dict (our names), checked for completeness and shapes."""
+    fmt = detect_format(path)
+    where = str(path)
+    if fmt == "draftsmith":
+        ckpt = resolve_checkpoint(path)
+        config = read_config(ckpt)
+        state = load_weights(ckpt)
+        converted = Converted(config, state, fmt, [f"draftsmith checkpoint {ckpt}"], read_json(ckpt / CONFIG_FILE))
+    else:
+        raw = read_json(Path(path) / CONFIG_FILE)
+        weights = load_weights(Path(path))
+        reader = speculators.read if fmt == "speculators" else sglang.read
+        converted = reader(raw, weights, num_layers, where)
+    check_state(converted.state, converted.config, where)
+    return converted
+
+
+def build_model(converted: Converted, target: Target) -> Eagle3Model:
+    """An `Eagle3Model` on the target's device and dtype: the checkpoint's own embeddings if it has them (as vLLM
+    and SGLang would use them), else the target's."""
+    model = Eagle3Model(converted.config)
+    state = dict(converted.state)
+    if EMBED_KEY not in state:
+        state.update({k: target.model.get_input_embeddings().weight.detach() for k in FROZEN})
+    state = {k: v.to(model.state_dict()[k].dtype) for k, v in state.items()}
+    try:
+        model.set_vocab(state.pop("d2t"), state.pop("t2d"))
+        model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        raise DraftsmithError(
+            f"{converted.fmt} checkpoint does not fit its config: {str(exc).splitlines()[0]}",
+            hint="the checkpoint is damaged; `draftsmith doctor DIR` shows what is wrong",
+        ) from None
+    param = next(target.model.parameters())
+    return model.to(param.device, param.dtype)
+
+
+def load_drafter(path: str | Path, target: Target, name: str | None = None) -> Eagle3Drafter:
+    """`--drafter DIR`: our own checkpoints load as before; foreign layouts are converted on load."""
+    if detect_format(path) == "draftsmith":
+        return load_eagle3(path, target, name)
+    converted = read_drafter(path, target.num_layers)
+    check_compatible(converted.config, target, where=f"{converted.fmt} drafter {path}:")
+    with torch.no_grad():
+        model = build_model(converted, target)
+    return Eagle3Drafter(model, name or f"eagle3:{path}")
