@@ -11,9 +11,10 @@ What it does, precisely:
   different lengths, and a padded batch changes the floating-point results slightly, which would break the rule
   that a T=0 answer equals the offline `draftsmith eval` answer token for token. Throughput therefore does not grow
   with concurrency; latency is shared fairly.
-- Requests beyond `max_active` wait in a FIFO queue of at most `max_queue`; beyond that `submit` raises
-  `Overloaded` with a Retry-After estimate, so memory stays bounded (each active request holds one KV cache of at
-  most the context length).
+- Requests beyond `max_active` wait in a FIFO queue. Once `max_active + max_queue` requests are in (decoding or
+  waiting), `submit` raises `Overloaded` with a Retry-After estimate, so memory stays bounded (each active request
+  holds one KV cache of at most the context length). A request counts until its last event is sent, so a client
+  that sends its next request on receiving an answer always finds the place that answer freed.
 - A cancelled request (the client went away) leaves the queue at once, or leaves the active set before its next
   round, so its slot is freed within one round.
 """
@@ -124,6 +125,7 @@ class Scheduler:
         self._running = False
         self._thread: threading.Thread | None = None
         self._active_count = 0
+        self._in_system = 0  # queued + active; counted down as a request ends, before its client hears of it
         self._service_seconds = 1.0  # moving average of a request's time in a slot, for Retry-After
         with metrics.update():
             metrics.queue_capacity.set(max_queue)
@@ -134,11 +136,12 @@ class Scheduler:
     def submit(self, request: GenerationRequest) -> Job:
         job = Job(request, asyncio.get_running_loop())
         with self._wake:
-            if len(self._pending) >= self.max_queue:
+            if self._in_system >= self.max_active + self.max_queue:
                 with self.metrics.update():
                     self.metrics.rejected.inc()
                 raise Overloaded(self._retry_after(), len(self._pending))
             self._pending.append(job)
+            self._in_system += 1
             with self.metrics.update():
                 self.metrics.queue_depth.set(len(self._pending))
                 self.metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -153,6 +156,7 @@ class Scheduler:
         with self._wake:
             if job in self._pending:
                 self._pending.remove(job)
+                self._in_system -= 1
                 job.done = True
                 with self.metrics.update():
                     self.metrics.queue_depth.set(len(self._pending))
@@ -261,13 +265,15 @@ class Scheduler:
         if reason is None:
             job.emit(Event(text, len(new)))
             return True
+        self._finish(slot, reason)  # first, so that the client's next request finds the place free
         job.emit(Event(text + slot.text.finish(), len(new), finish_reason=reason))
-        self._finish(slot, reason)
         return False
 
     def _finish(self, slot: _Active, reason: str) -> None:
         slot.steps.close()
         slot.job.done = True
+        with self._wake:
+            self._in_system -= 1
         now = time.perf_counter()
         self._service_seconds = 0.8 * self._service_seconds + 0.2 * (now - slot.started)
         with self.metrics.update():
