@@ -50,6 +50,7 @@ def eval_cmd(
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: float = 1.0,
     num_draft_tokens: Annotated[int, typer.Option(help="most draft tokens verified per target forward")] = 7,
+    draft_length: Annotated[str, typer.Option(help="EAGLE-3: adaptive (stop when not paying) | fixed")] = "adaptive",
     seed: int = 0,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     out: Annotated[Path, typer.Option(help="where report.json and report.md go")] = Path("runs/eval"),
@@ -70,7 +71,7 @@ def run_eval(cfg) -> dict:
 
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
     tgt = load_target(cfg.target, dtype=cfg.dtype)
-    drafter = build_drafter(cfg.drafter, tgt, dtype=cfg.dtype)
+    drafter = build_drafter(cfg.drafter, tgt, dtype=cfg.dtype, draft_length=cfg.draft_length)
     report = evaluate(tgt, drafter, dataset, prompts, cfg)
     report["drafter_checkpoint"] = str(checkpoint_dir(cfg.drafter)) if Path(cfg.drafter).is_dir() else None
     write_report(report, cfg.out)

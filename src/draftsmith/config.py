@@ -1,6 +1,7 @@
 """Pydantic models for each stage's settings, so a CLI flag, a YAML profile and a manifest mean the same thing."""
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -35,5 +36,6 @@ class EvalConfig(StageConfig):
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     num_draft_tokens: int = Field(default=7, ge=1, le=64)
+    draft_length: Literal["adaptive", "fixed"] = "adaptive"  # EAGLE-3: cut chains that stop paying, or not
     seed: int = 0
     out: Path = Path("runs/eval")

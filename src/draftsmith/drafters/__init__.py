@@ -3,22 +3,24 @@
 from pathlib import Path
 
 from draftsmith.drafters.base import Draft, Drafter, NullDrafter
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.errors import ConfigError
 from draftsmith.target import Target, load_target
 
 __all__ = ["Draft", "Drafter", "NullDrafter", "build_drafter"]
 
 
-def build_drafter(spec: str, target: Target, dtype: str = "float32") -> Drafter:
+def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_length: str = "adaptive") -> Drafter:
     """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM), `none` (plain decoding), or the
     path of an EAGLE-3 directory: a draftsmith checkpoint or training run, or a speculators / SGLang / EAGLE export
-    (converted on load, see `draftsmith.formats`)."""
+    (converted on load, see `draftsmith.formats`). EAGLE-3 chains are cut where the next token stops paying for
+    itself (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed")."""
     from draftsmith.drafters.draft_model import ModelDrafter
     from draftsmith.drafters.ngram import NgramDrafter
     from draftsmith.formats.load import load_drafter
 
     if Path(spec).is_dir():
-        return load_drafter(spec, target)
+        return load_drafter(spec, target, budget=DraftBudget() if draft_length == "adaptive" else DraftBudget.fixed())
 
     kind, _, arg = spec.partition(":")
     if kind == "none" and not arg:

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.drafters.base import Draft
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.store import default_aux_layers
 from draftsmith.target import Target
@@ -310,9 +311,11 @@ class Eagle3Drafter:
     off again, because once the target confirms them they are recomputed from the target's real features.
     """
 
-    def __init__(self, model: Eagle3Model, name: str = "eagle3") -> None:
+    def __init__(self, model: Eagle3Model, name: str = "eagle3", budget: DraftBudget | None = None) -> None:
         self.name = name
         self.model = model.eval()
+        self.budget = budget or DraftBudget.fixed()
+        self.last_chain: tuple[int, list[int], list[float]] | None = None  # (start, tokens, reach) to score
         self.aux_layer_ids: tuple[int, ...] = tuple(model.config.aux_layer_ids)
         self.draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=model.d2t.device))
         self.begin(torch.empty(0, dtype=torch.long), None)
@@ -324,6 +327,7 @@ class Eagle3Drafter:
     @torch.inference_mode()
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
         self.cache = KVCache()
+        self.last_chain = None
         self.fused = torch.empty(0, self.model.config.hidden_size, device=self.device, dtype=self.model.fc.weight.dtype)
         self.context = 0  # context positions in the cache
         self.hidden: torch.Tensor | None = None  # (1, 1, H) output hidden of the last context position
@@ -349,10 +353,14 @@ class Eagle3Drafter:
             out = model.forward_hidden(embeds, self.fused[None, self.context : ready], positions, self.cache)
             self.hidden, self.context = out[:, -1:], ready
             self.logits = model.draft_logits(self.hidden)[0, -1]  # only the last position drafts
+        self._score_last_chain(tokens)
         hidden, logits = self.hidden, self.logits
-        drafted, dists = [], []
+        drafted, dists, reach = [], [], [1.0]
         for i in range(max_tokens):
-            token, q = self._pick(logits, temperature, generator)
+            token, q, confidence = self._pick(logits, temperature, generator)
+            reach.append(self.budget.reach(reach[-1], confidence))
+            if not self.budget.continues(reach[-1]):
+                break
             drafted.append(token)
             dists.append(q)
             if i + 1 < max_tokens:
@@ -360,20 +368,40 @@ class Eagle3Drafter:
                 position = torch.tensor([self.context + i], device=self.device)
                 hidden, out_logits = model(embeds, hidden, position, self.cache)
                 logits = out_logits[0, -1]
+        reach = reach[1 : len(drafted) + 1]
+        if not drafted:
+            return Draft.empty()
+        self.last_chain = (len(tokens), torch.stack(drafted).tolist(), reach)
+        if not self.budget.pays(sum(reach), len(drafted)):
+            return Draft.empty()
         probs = torch.stack(dists).cpu() if temperature > 0 else None
         return Draft(torch.stack(drafted).cpu(), probs)
 
+    def _score_last_chain(self, tokens: torch.Tensor) -> None:
+        """Calibrate the budget: how far the last chain, proposed or not, matched what the target then wrote."""
+        if self.last_chain is None:
+            return
+        start, chain, reach = self.last_chain
+        written = tokens[start : start + len(chain)].tolist()
+        matched = next((i for i, (a, b) in enumerate(zip(chain, written, strict=False)) if a != b), len(written))
+        compared = min(matched + 1, len(written))  # tokens whose fate is known
+        self.budget.record(sum(reach[:compared]), matched)
+        self.last_chain = None
+
     def _pick(
         self, logits: torch.Tensor, temperature: float, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy, or a sample from softmax(logits / T); returns the target id and q over the target vocabulary."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """Greedy, or a sample from softmax(logits / T): the target id, q over the target vocabulary (None when
+        greedy), and the drafter's confidence in the token (its top probability at T=1)."""
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        confidence = float(torch.softmax(wide, dim=-1).max())
         if temperature <= 0:
-            return self.draft_ids[logits.argmax()], None
-        q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+            return self.draft_ids[logits.argmax()], None, confidence
+        q = torch.softmax(wide / temperature, dim=-1)
         choice = torch.multinomial(q.cpu(), 1, generator=generator)[0].to(self.device)
         full = q.new_zeros(self.model.config.vocab_size)
         full[self.draft_ids] = q
-        return self.draft_ids[choice], full
+        return self.draft_ids[choice], full, confidence
 
     @torch.inference_mode()
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:
@@ -440,7 +468,9 @@ def check_compatible(config: Eagle3Config, target: Target, where: str = "checkpo
         )
 
 
-def load_eagle3(path: str | Path, target: Target, name: str | None = None) -> Eagle3Drafter:
+def load_eagle3(
+    path: str | Path, target: Target, name: str | None = None, budget: DraftBudget | None = None
+) -> Eagle3Drafter:
     """Load a checkpoint (or a run directory's latest one) as a drafter for `target`, on the target's device."""
     path = resolve_checkpoint(path)
     config = read_config(path)
@@ -456,4 +486,4 @@ def load_eagle3(path: str | Path, target: Target, name: str | None = None) -> Ea
             hint="the checkpoint is damaged; re-run `draftsmith train`",
         ) from None
     param = next(target.model.parameters())
-    return Eagle3Drafter(model.to(param.device, param.dtype), name or f"eagle3:{path}")
+    return Eagle3Drafter(model.to(param.device, param.dtype), name or f"eagle3:{path}", budget)

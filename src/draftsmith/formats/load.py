@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.drafters.eagle3 import (
     FROZEN,
     Eagle3Drafter,
@@ -88,12 +89,14 @@ def build_model(converted: Converted, target: Target) -> Eagle3Model:
     return model.to(param.device, param.dtype)
 
 
-def load_drafter(path: str | Path, target: Target, name: str | None = None) -> Eagle3Drafter:
+def load_drafter(
+    path: str | Path, target: Target, name: str | None = None, budget: DraftBudget | None = None
+) -> Eagle3Drafter:
     """`--drafter DIR`: our own checkpoints load as before; foreign layouts are converted on load."""
     if detect_format(path) == "draftsmith":
-        return load_eagle3(path, target, name)
+        return load_eagle3(path, target, name, budget)
     converted = read_drafter(path, target.num_layers)
     check_compatible(converted.config, target, where=f"{converted.fmt} drafter {path}:")
     with torch.no_grad():
         model = build_model(converted, target)
-    return Eagle3Drafter(model, name or f"eagle3:{path}")
+    return Eagle3Drafter(model, name or f"eagle3:{path}", budget)
