@@ -41,13 +41,22 @@ def trained_setup(root: Path) -> Trained:
     return _cache["trained"]
 
 
+def chat_prompts(target: Target, n: int, seed: int) -> list[list[int]]:
+    """User turns of 4 random words `t<id>`, rendered as `draftsmith eval` renders prompts."""
+    words = torch.randint(2, target.vocab_size, (n, 4), generator=torch.Generator().manual_seed(seed))
+    return [target.encode_chat([{"role": "user", "content": " ".join(f"t{int(t)}" for t in row)}]) for row in words]
+
+
 def greedy_samples(target: Target, n: int, new_tokens: int = 48) -> list[tuple[str, list[int], list[int]]]:
-    """(id, 4 random prompt tokens + the target's greedy continuation, loss mask over the continuation)."""
-    prompts = torch.randint(2, target.vocab_size, (n, 4), generator=torch.Generator().manual_seed(1))
-    full = target.model.generate(
-        prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, do_sample=False, pad_token_id=1
-    )
-    return [(f"s{i}", full[i].tolist(), [0] * 4 + [1] * (full.shape[1] - 4)) for i in range(n)]
+    """(id, a chat prompt + the target's greedy continuation, loss mask over the continuation)."""
+    out = []
+    for i, prompt in enumerate(chat_prompts(target, n, seed=1)):
+        ids = torch.tensor([prompt])
+        full = target.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=1
+        )[0].tolist()
+        out.append((f"s{i}", full, [0] * len(prompt) + [1] * (len(full) - len(prompt))))
+    return out
 
 
 def _build(root: Path) -> Trained:

@@ -259,16 +259,16 @@ def verifier_name(target: str) -> str:
     return str(Path(target).resolve()) if target and Path(target).exists() else target
 
 
-def verifier_architectures(target: str) -> list[str]:
-    """The target's `architectures` from its config.json where it can be read without a download."""
+def verifier_config(target: str) -> dict[str, Any]:
+    """The target's config.json where it can be read without a download ({} otherwise)."""
     if target in BUILTIN_HUB_IDS:
-        return ["LlamaForCausalLM"]
+        return {"architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2}  # SmolLM2's
     path = Path(target) / CONFIG_FILE
     if path.is_file():
-        return list(read_json(path).get("architectures") or [])
+        return read_json(path)
     try:
         from transformers import AutoConfig
 
-        return list(AutoConfig.from_pretrained(target, local_files_only=True).architectures or [])
+        return AutoConfig.from_pretrained(target, local_files_only=True).to_dict()
     except (OSError, ValueError):
-        return []
+        return {}

@@ -8,6 +8,7 @@ it actually get drafts accepted. Each check gives PASS, WARN, FAIL or SKIP with 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,6 +253,13 @@ def check_hidden_states(target: Target | None, store: str | Path | None, samples
     per_layer = ", ".join(f"layer {i}: cos {c:.5f} rel.err {r:.2%}" for i, c, r in zip(ids, cosine, rel, strict=True))
     floor = 2 * EPS[data.dtype] + 1e-4  # what rounding to the store's dtype alone explains
     where = f"{tokens} tokens of {min(samples, len(data))} samples, served as {next(target.model.parameters()).dtype}"
+    if not all(math.isfinite(x) for x in cosine + rel):
+        return Check(
+            "hidden states",
+            "FAIL",
+            f"{per_layer} ({where}): non-finite values: the served target overflows in this dtype (float16?) or the "
+            "store is damaged",
+        )
     if min(cosine) < MIN_COSINE or max(rel) > MAX_REL_ERROR:
         return Check(
             "hidden states",

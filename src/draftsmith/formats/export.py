@@ -29,7 +29,7 @@ from draftsmith.formats.common import (
     SGLANG_CONVENTION,
     load_weights,
     save_weights,
-    verifier_architectures,
+    verifier_config,
     verifier_name,
     write_json,
 )
@@ -64,7 +64,7 @@ def export(
     state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
     training = training_summary(ckpt)
     k = speculative_tokens or (training or {}).get("ttt_steps") or 3
-    architectures = verifier_architectures(verifier or config.target)
+    target_config = verifier_config(verifier or config.target)
     verifier = verifier or verifier_name(config.target)
     provenance = {
         "format": fmt,
@@ -82,7 +82,7 @@ def export(
         "acceptance": acceptance_summary(Path(report)) if report else None,
     }
     if fmt == "speculators":
-        cfg = speculators.export_config(config, verifier, architectures, k, dtype, provenance)
+        cfg = speculators.export_config(config, verifier, target_config, k, dtype, provenance)
         weights = speculators.export_state(state)
     else:
         cfg = sglang.export_config(config, fmt, dtype, provenance)

@@ -44,12 +44,16 @@ def from_speculators_key(name: str) -> str:
     return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
 
 
-def transformer_layer_config(config: Eagle3Config) -> dict[str, Any]:
+def transformer_layer_config(config: Eagle3Config, target_config: dict[str, Any]) -> dict[str, Any]:
     """A Llama decoder layer shaped like ours: Llama, whatever the target's family, because our layer has no
-    q/k norms or biases (Qwen3's layer, speculators' default, has q_norm/k_norm)."""
+    q/k norms or biases (Qwen3's layer, speculators' default, has q_norm/k_norm). The token ids are the target's;
+    without them the library writes LlamaConfig's defaults (1, 2, null), and so do we."""
     return {
         "attention_bias": False,
         "attention_dropout": 0.0,
+        "bos_token_id": target_config.get("bos_token_id", 1),
+        "eos_token_id": target_config.get("eos_token_id", 2),
+        "pad_token_id": target_config.get("pad_token_id"),
         "head_dim": config.head_dim,
         "hidden_act": "silu",
         "hidden_size": config.hidden_size,
@@ -73,7 +77,7 @@ def transformer_layer_config(config: Eagle3Config) -> dict[str, Any]:
 def export_config(
     config: Eagle3Config,
     verifier: str,
-    architectures: list[str],
+    target_config: dict[str, Any],
     speculative_tokens: int,
     dtype: str,
     provenance: dict[str, Any],
@@ -96,13 +100,16 @@ def export_config(
                     "verifier_accept_k": 1,
                 }
             ],
-            "verifier": {"architectures": architectures, "name_or_path": verifier or None},
+            "verifier": {
+                "architectures": list(target_config.get("architectures") or []),
+                "name_or_path": verifier or None,
+            },
         },
         "speculators_model_type": MODEL_TYPE,
         "speculators_version": SPECULATORS_VERSION,
         "target_hidden_size": None,
         "tie_word_embeddings": False,
-        "transformer_layer_config": transformer_layer_config(config),
+        "transformer_layer_config": transformer_layer_config(config, target_config),
         "transformers_version": transformers.__version__,
         PROVENANCE_KEY: provenance,
     }
