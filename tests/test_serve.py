@@ -17,11 +17,16 @@ from draftsmith.bench.server_stats import parse_prometheus
 from draftsmith.cli import app
 from draftsmith.config import EvalConfig
 from draftsmith.decode.engine import SpeculativeDecoder
+from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.ngram import NgramDrafter
 from draftsmith.evaluate import baseline_generate
+from draftsmith.serve.metrics import ServerMetrics
 from draftsmith.serve.process import ServerProcess
+from draftsmith.serve.scheduler import GenerationRequest, Scheduler, fork_drafter
+from draftsmith.serve.text import TextStream
 from draftsmith.target import load_target
 from tests.conftest import tiny_target
+from tests.test_eagle3 import make_model
 
 CONTEXT = 512
 SLOTS, QUEUE = 2, 6
@@ -129,6 +134,9 @@ def test_stream_and_plain_are_identical_and_equal_offline_eval(server, model_dir
         expected = "stop" if spec[-1] in target.eos_token_ids else "length"
         assert reply["choices"][0]["finish_reason"] == expected
     assert {r["choices"][0]["finish_reason"] for r in served} == {"stop", "length"}
+    with httpx.Client(base_url=server.url) as client:
+        m = metrics(client)  # drafts were accepted: some rounds carried several tokens, and still all is equal
+    assert m["draftsmith_acceptance_length_sum"] > m["draftsmith_acceptance_length_count"]
     assert served[3]["choices"][0]["message"]["content"] == "" and served[3]["usage"]["completion_tokens"] == 1
 
     # And `draftsmith eval` itself on these prompts: no mismatch, the same token counts.
@@ -216,7 +224,7 @@ def test_overload_answers_429_with_retry_after_and_recovers(server):
 
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            long = chat(LONG_PROMPT, max_tokens=150, temperature=0, stream=True)
+            long = chat(LONG_PROMPT, max_tokens=80, temperature=0, stream=True)
             streams = [client.stream("POST", "/v1/chat/completions", json=long) for _ in range(SLOTS + QUEUE)]
             responses = [await s.__aenter__() for s in streams]  # headers are sent at admission
             assert [r.status_code for r in responses] == [200] * (SLOTS + QUEUE)
@@ -256,6 +264,16 @@ def test_client_disconnect_mid_stream_frees_its_slot(server):
         assert counter(client, "draftsmith_requests_finished_total", reason="cancelled") == cancelled + 1
         assert counter(client, "draftsmith_active_requests") == 0
         assert counter(client, "draftsmith_generation_tokens_total") - tokens < 440  # stopped early
+
+        # A non-streaming client that gives up (here: a read timeout) frees its slot too.
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/chat/completions", json={**body, "stream": False}, timeout=0.3)
+        for _ in range(100):
+            if counter(client, "draftsmith_requests_finished_total", reason="cancelled") == cancelled + 2:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert counter(client, "draftsmith_requests_finished_total", reason="cancelled") == cancelled + 2
+        assert counter(client, "draftsmith_active_requests") == 0
         ok = client.post("/v1/completions", json={"prompt": "t5", "max_tokens": 2, "temperature": 0})
         assert ok.status_code == 200
 
@@ -326,3 +344,72 @@ def test_soak_200_requests_at_concurrency_8_with_malformed_ones(server):
     assert after_metrics["draftsmith_queue_depth"] == after_metrics["draftsmith_active_requests"] == 0
     print(f"resident memory: {before / 2**20:.1f} MiB before, {after / 2**20:.1f} MiB after 200 requests")
     assert after - before < RSS_MARGIN, f"resident memory grew {(after - before) / 2**20:.1f} MiB"
+
+
+@pytest.mark.integration
+def test_text_stream_never_splits_a_character_and_holds_back_stop_prefixes(smollm2):
+    """SmolLM2's byte-level BPE splits these characters over several tokens; fed one token at a time, no delta may
+    carry half a character (U+FFFD), the deltas must add up to the whole decode, and a stop string is cut."""
+    tokenizer = smollm2.tokenizer
+    text = "Good morning: おはよう, 早上好, Доброе утро 🌅! Then STOP here."
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # several tokens per word: characters really are split
+
+    stream = TextStream(tokenizer)
+    deltas = [stream.push([t]) for t in ids] + [stream.finish()]
+    assert not any("\ufffd" in d for d in deltas)
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+
+    stream = TextStream(tokenizer, stop=["STOP", "never"])
+    deltas = []
+    for t in ids:
+        deltas.append(stream.push([t]))
+        assert "S" not in "".join(deltas)  # "S" might start "STOP": held back until it cannot
+        if stream.stopped:
+            break
+    deltas.append(stream.finish())
+    assert stream.stopped and "".join(deltas) == text[: text.index("STOP")]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+def test_interleaved_requests_decode_exactly_as_one_at_a_time(kind):
+    """The scheduler interleaves requests round by round, each with its own copy of the drafter: every answer, greedy
+    or sampled, must be the one the engine gives for that request alone."""
+    target = tiny_target(3)
+    drafter = NgramDrafter(break_even=0.0) if kind == "ngram" else Eagle3Drafter(make_model(target))
+    metrics = ServerMetrics(4, target="tiny", drafter=kind, model="tiny")
+    scheduler = Scheduler(target, drafter, metrics, num_draft_tokens=4, max_active=3, max_queue=8)
+    prompts = ["t5 t6 t7", "t9 t9 t9 t9", "t20 t30 t40 t50", "t11 t12", "t40 t41 t42"]
+    requests = [
+        GenerationRequest(target.encode_chat([{"role": "user", "content": p}]), 30, temperature=0.8 * (i % 2), seed=i)
+        for i, p in enumerate(prompts)
+    ]
+
+    async def serve_all() -> list[tuple[str, int]]:
+        jobs = [scheduler.submit(r) for r in requests]
+        answers = []
+        for job in jobs:
+            text, tokens = "", 0
+            while True:
+                event = await job.events.get()
+                assert event.error is None
+                text, tokens = text + event.text, tokens + event.tokens
+                if event.finish_reason:
+                    break
+            answers.append((text, tokens))
+        return answers
+
+    scheduler.start()
+    try:
+        answers = asyncio.run(serve_all())
+    finally:
+        scheduler.stop()
+    total = 0
+    for req, (text, tokens) in zip(requests, answers, strict=True):
+        alone = SpeculativeDecoder(target, fork_drafter(drafter), 4)
+        expected = alone.generate(req.prompt_ids, req.max_tokens, req.temperature, req.top_p, req.seed).tokens
+        assert tokens == len(expected) and text == target.tokenizer.decode(expected, skip_special_tokens=True)
+        total += tokens
+    assert metrics.generation_tokens.get() == metrics.acceptance.sum == total
+    assert metrics.acceptance.sum > metrics.acceptance.count  # drafts were accepted
+    assert metrics.finished.get(reason="stop") + metrics.finished.get(reason="length") == len(requests)

@@ -162,14 +162,20 @@ class _Reply:
             content["content"] = text
         return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
 
-    async def whole(self, request: Request) -> dict[str, Any]:
+    async def whole(self, request: Request, poll: float = 0.5) -> dict[str, Any]:
+        """The whole answer; every `poll` seconds (events or not) checks that the client is still there."""
         parts: list[str] = []
+        checked = time.monotonic()
         while True:
             try:
-                event = await asyncio.wait_for(self.job.events.get(), timeout=0.5)
+                event = await asyncio.wait_for(self.job.events.get(), timeout=poll)
             except TimeoutError:
+                event = None
+            if time.monotonic() - checked >= poll:
+                checked = time.monotonic()
                 if await request.is_disconnected():
-                    raise _ClientGone() from None
+                    raise _ClientGone()
+            if event is None:
                 continue
             if event.error:
                 raise APIError(500, f"generation failed: {event.error}", kind="server_error")

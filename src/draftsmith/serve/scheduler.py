@@ -201,7 +201,11 @@ class Scheduler:
                     self._pending.popleft() for _ in range(min(len(self._pending), self.max_active - len(active)))
                 ]
                 self._publish(len(active) + len(admitted))
-            active.extend(self._start(job) for job in admitted)
+            for job in admitted:
+                try:
+                    active.append(self._start(job))
+                except Exception as exc:  # a bug: this request fails, the server keeps serving
+                    self._fail(job, exc)
             for slot in list(active):
                 if not self._step(slot):
                     active.remove(slot)
@@ -240,12 +244,15 @@ class Scheduler:
             self._finish(slot, "cancelled")
             return False
         try:
-            gen = next(slot.steps)
+            return self._advance(slot)
         except Exception as exc:  # a bug, not a user error: the request fails, the server keeps serving
-            traceback.print_exc(file=sys.stderr)
-            self._finish(slot, "error")
-            job.emit(Event("", 0, error=f"{type(exc).__name__}: {exc}"))
+            slot.steps.close()
+            self._fail(job, exc)
             return False
+
+    def _advance(self, slot: _Active) -> bool:
+        job = slot.job
+        gen = next(slot.steps)
         new = gen.tokens[slot.seen :]
         slot.seen = len(gen.tokens)
         forwards, slot.forwards = gen.target_forwards - slot.forwards, gen.target_forwards
@@ -265,21 +272,31 @@ class Scheduler:
         if reason is None:
             job.emit(Event(text, len(new)))
             return True
-        self._finish(slot, reason)  # first, so that the client's next request finds the place free
-        job.emit(Event(text + slot.text.finish(), len(new), finish_reason=reason))
+        last = Event(text + slot.text.finish(), len(new), finish_reason=reason)
+        self._finish(slot, reason)  # before the answer goes out, so that the client's next request finds its place
+        job.emit(last)
         return False
 
     def _finish(self, slot: _Active, reason: str) -> None:
         slot.steps.close()
-        slot.job.done = True
-        with self._wake:
-            self._in_system -= 1
         now = time.perf_counter()
         self._service_seconds = 0.8 * self._service_seconds + 0.2 * (now - slot.started)
+        self._leave(slot.job, reason)
+        if reason in ("stop", "length"):
+            with self.metrics.update():
+                self.metrics.e2e.observe(now - slot.job.submitted)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        traceback.print_exception(exc, file=sys.stderr)
+        self._leave(job, "error")
+        job.emit(Event("", 0, error=f"{type(exc).__name__}: {exc}"))
+
+    def _leave(self, job: Job, reason: str) -> None:
+        job.done = True
+        with self._wake:
+            self._in_system -= 1
         with self.metrics.update():
             self.metrics.finished.inc(reason=reason)
-            if reason in ("stop", "length"):
-                self.metrics.e2e.observe(now - slot.job.submitted)
 
 
 def fork_drafter(template: Drafter) -> Drafter:
