@@ -63,8 +63,10 @@ def test_export_import_eval_is_identical_in_every_format(tmp_path, trained):
     ckpt = resolve_checkpoint(trained.run)
     state = load_file(ckpt / "model.safetensors")
     for fmt in FORMATS:
-        out = export(trained.run, tmp_path / fmt, fmt, verifier=str(trained.model_dir), store=trained.store)
+        out = export(trained.run, tmp_path / fmt, fmt, verifier=str(trained.model_dir), store=trained.store,
+                     report=tmp_path / "eval-original")  # fmt: skip
         assert detect_format(out) == fmt
+        assert f"acceptance length **{original['acceptance_length']:.2f}**" in (out / "README.md").read_text()
         converted = read_drafter(out, trained.target.num_layers)
         assert converted.config == read_config(ckpt)  # same shapes, same aux ids in our convention, same target
         assert converted.state.keys() == state.keys()
