@@ -126,5 +126,13 @@ def test_bench_against_a_real_server_agrees_with_its_metrics(server, tmp_path):
     for png in ("throughput.png", "latency.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # The completions endpoint too, with a request count that is not a multiple of the concurrency.
+    args = ["--url", server.url, "--endpoint", "completions", "--concurrency", "2", "--prompts", str(prompts),
+            "--num-prompts", "3", "--max-tokens", "8", "--out", str(tmp_path / "completions")]  # fmt: skip
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code == 0, result.output
+    (lv,) = json.loads((tmp_path / "completions" / "result.json").read_text())["levels"]
+    assert lv["completed"] == 3 and lv["output_tokens"] == lv["server"]["generation_tokens"] > 0
+
     result = CliRunner().invoke(app, ["bench", "--url", server.url, "--model", "nope", "--num-prompts", "1"])
     assert result.exit_code == 2 and "HTTP 404" in result.output
