@@ -68,6 +68,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         traceback.print_exception(exc, file=sys.stderr)
+        path = request.url.path if request.url.path in ROUTES else "other"
+        with state.metrics.update():  # Starlette answers bugs outside the counting middleware: count them here
+            state.metrics.http_requests.inc(path=path, code="500")
         body = APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body()
         return JSONResponse(body, status_code=500)
 
