@@ -13,8 +13,8 @@ What it does, precisely:
   with concurrency; latency is shared fairly.
 - Requests beyond `max_active` wait in a FIFO queue. Once `max_active + max_queue` requests are in (decoding or
   waiting), `submit` raises `Overloaded` with a Retry-After estimate, so memory stays bounded (each active request
-  holds one KV cache of at most the context length). A request counts until its last event is sent, so a client
-  that sends its next request on receiving an answer always finds the place that answer freed.
+  holds one KV cache of at most the context length). A request stops counting just before its last event goes
+  out, so a client that sends its next request on receiving an answer always finds the place that answer freed.
 - A cancelled request (the client went away) leaves the queue at once, or leaves the active set before its next
   round, so its slot is freed within one round.
 """
