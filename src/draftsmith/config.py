@@ -37,5 +37,6 @@ class EvalConfig(StageConfig):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     num_draft_tokens: int = Field(default=7, ge=1, le=64)
     draft_length: Literal["adaptive", "fixed"] = "adaptive"  # EAGLE-3: cut chains that stop paying, or not
+    compare: list[str] = []  # more drafters measured against the same baseline runs (e.g. ngram)
     seed: int = 0
     out: Path = Path("runs/eval")

@@ -7,6 +7,7 @@ prompt where they differ is counted in `mismatches`.
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,28 +59,42 @@ def _end(tokens: list[int], eos: set[int]) -> int:
 
 
 def evaluate(target: Target, drafter: Drafter, dataset: str, prompts: list[Conversation], cfg: EvalConfig) -> dict:
+    return evaluate_drafters(target, [drafter], dataset, prompts, cfg)[0]
+
+
+def evaluate_drafters(
+    target: Target, drafters: Sequence[Drafter], dataset: str, prompts: list[Conversation], cfg: EvalConfig
+) -> list[dict]:
+    """One report per drafter, all against the same baseline runs: per prompt, the baseline and each drafter run
+    back to back in an order that rotates from prompt to prompt, so machine noise hits every contestant alike."""
     encoded = [target.encode_chat(c.messages) for c in prompts]
     for conv, ids in zip(prompts, encoded, strict=True):
         target.check_fits(len(ids), cfg.max_new_tokens, where=f"prompt {conv.id!r} of {dataset}")
-    decoder = SpeculativeDecoder(target, drafter, cfg.num_draft_tokens)
+    decoders = [SpeculativeDecoder(target, d, cfg.num_draft_tokens) for d in drafters]
     warm = min(16, cfg.max_new_tokens)
-    decoder.generate(encoded[0], warm, cfg.temperature, cfg.top_p, cfg.seed)
+    for decoder in decoders:
+        decoder.generate(encoded[0], warm, cfg.temperature, cfg.top_p, cfg.seed)
     baseline_generate(target, encoded[0], cfg.model_copy(update={"max_new_tokens": warm}), cfg.seed)
 
-    runs: list[tuple[Generation, list[int], float]] = []
+    specs: list[list[Generation]] = [[] for _ in decoders]
+    baselines: list[tuple[list[int], float]] = []
+    names = ", ".join(d.name for d in drafters)
     with Progress(transient=True) as progress:
-        task = progress.add_task(f"eval {drafter.name} on {dataset}", total=len(prompts))
+        task = progress.add_task(f"eval {names} on {dataset}", total=len(prompts))
         for i, ids in enumerate(encoded):
             seed = cfg.seed + i
-            if i % 2:
-                base, base_s = baseline_generate(target, ids, cfg, seed)
-                spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed)
-            else:
-                spec = decoder.generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed)
-                base, base_s = baseline_generate(target, ids, cfg, seed)
-            runs.append((spec, base, base_s))
+            contestants = list(range(-1, len(decoders)))  # -1: the baseline
+            shift = i % len(contestants)
+            for c in contestants[shift:] + contestants[:shift]:
+                if c < 0:
+                    baselines.append(baseline_generate(target, ids, cfg, seed))
+                else:
+                    specs[c].append(decoders[c].generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed))
             progress.advance(task)
-    return _summarise(target, drafter, dataset, prompts, cfg, runs)
+    return [
+        _summarise(target, d, dataset, prompts, cfg, [(s, b, t) for s, (b, t) in zip(runs, baselines, strict=True)])
+        for d, runs in zip(drafters, specs, strict=True)
+    ]
 
 
 def _summarise(target, drafter, dataset, prompts, cfg: EvalConfig, runs) -> dict:

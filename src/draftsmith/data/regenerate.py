@@ -18,12 +18,15 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from transformers import GenerationConfig
+from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+from transformers.masking_utils import sdpa_mask
 
 from draftsmith.data.sources import Conversation, Message
 from draftsmith.data.tokenize import render_chat
@@ -33,35 +36,87 @@ from draftsmith.target import Target
 console = Console(stderr=True, soft_wrap=True)
 
 
+def masked_gqa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """SDPA with grouped-query attention done inside the kernel, padding mask or not.
+
+    transformers' own SDPA path copies every key/value head `num_key_value_groups` times whenever a padding mask is
+    present (always, in a left-padded batch): on a CPU that copy took ~30 % of each batched decode step. Query rows
+    that see nothing at all (left padding) attend everywhere instead of producing NaN; their outputs are never used.
+    """
+    mask = attention_mask
+    if mask is not None:
+        mask = mask if mask.dtype == torch.bool else mask == 0
+        mask = mask | ~mask.any(dim=-1, keepdim=True)
+    causal = mask is None and query.shape[2] > 1
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("draftsmith_gqa", masked_gqa_attention)
+AttentionMaskInterface.register("draftsmith_gqa", sdpa_mask)  # the same boolean masks SDPA gets
+
+
+@contextmanager
+def batched_attention(model):
+    """Use `masked_gqa_attention` for the duration of a batched generation, then restore the model's own."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("draftsmith_gqa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def generate_batch(
     target: Target, prompts: Sequence[list[int]], *, temperature: float, max_new_tokens: int, stop_ids: set[int]
 ) -> list[tuple[list[int], bool]]:
     """(new tokens without the stop token, whether a stop token ended them) for each prompt, in one left-padded batch.
 
-    Sampling uses the global torch RNG, so callers seed it; T=0 is greedy.
+    A plain decode loop rather than `model.generate`, because a row that has stopped leaves the batch (its KV cache
+    rows are dropped) instead of being computed until the longest row ends: synthesised prompts vary from 10 to
+    100+ tokens. Sampling uses the global torch RNG, so callers seed it; T=0 is greedy.
     """
+    model = target.model
+    width = max(len(p) for p in prompts)
     pad = target.tokenizer.pad_token_id
     pad = min(stop_ids) if pad is None else pad
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=target.device)
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
-    sampling = temperature > 0
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=sampling,
-        temperature=temperature if sampling else None,
-        top_p=None,
-        top_k=None,
-        eos_token_id=sorted(stop_ids),
-        pad_token_id=pad,
-    )
-    with torch.inference_mode():
-        out = target.model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config)
-    results = []
-    for row in out[:, width:].tolist():
-        end = next((i for i, t in enumerate(row) if t in stop_ids), None)
-        results.append((row, False) if end is None else (row[:end], True))
-    return results
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=target.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    rows = list(range(len(prompts)))  # original index of each live row
+    new: list[list[int]] = [[] for _ in prompts]
+    ended = [False] * len(prompts)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode(), batched_attention(model):
+        for _ in range(max_new_tokens):
+            out = model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=1
+            )
+            logits = out.logits[:, -1].float()
+            if temperature > 0:
+                chosen = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1)[:, 0]
+            else:
+                chosen = logits.argmax(-1)
+            keep = []
+            for i, token in enumerate(chosen.tolist()):
+                if token in stop_ids:
+                    ended[rows[i]] = True
+                else:
+                    new[rows[i]].append(token)
+                    keep.append(i)
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                index = torch.tensor(keep, device=target.device)
+                for layer in cache.layers:
+                    layer.batch_select_indices(index)
+                rows, chosen, mask, positions = [rows[i] for i in keep], chosen[index], mask[index], positions[index]
+            ids = chosen[:, None]
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
+            positions = positions[:, -1:] + 1
+    return list(zip(new, ended, strict=True))
 
 
 def regenerate(

@@ -1,0 +1,127 @@
+"""One function per stage, shared by the CLI subcommands and `draftsmith run`, so both do exactly the same thing.
+
+Each takes its settings (a pydantic config, the same one a YAML profile fills in), the directories it reads and
+writes, and an already loaded target where it needs one: a pipeline loads the target once for all stages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from draftsmith.config import EvalConfig, StageConfig
+from draftsmith.errors import ConfigError
+from draftsmith.target import Target
+from draftsmith.train.trainer import TrainConfig, TrainResult
+
+
+class DataConfig(StageConfig):
+    sources: list[str] = []  # files or hub dataset ids; `$VARS` are expanded
+    optional_sources: list[str] = []  # used when the file exists (e.g. the shared benchmark folder), else skipped
+    regenerate: bool = False
+    synth: int = Field(default=0, ge=0)
+    limit: int | None = Field(default=None, ge=1)
+    hf_split: str = "train"
+    temperature: float = Field(default=0.0, ge=0.0)
+    max_new_tokens: int = Field(default=256, ge=1)
+    batch_size: int = Field(default=16, ge=1)
+    seed: int = 0
+
+
+class ExtractConfig(StageConfig):
+    layers: tuple[int, ...] | None = None  # default: the states entering layers (2, N//2, N-3)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_length: int = Field(default=2048, ge=2)
+    shard_size: int = Field(default=64, ge=1)
+
+
+class VocabConfig(StageConfig):
+    size: int = Field(default=8192, ge=1)
+
+
+def resolve_sources(cfg: DataConfig) -> list[str]:
+    import os
+
+    from rich.console import Console
+
+    sources = [os.path.expandvars(s) for s in cfg.sources]
+    for source in (os.path.expandvars(s) for s in cfg.optional_sources):
+        if Path(source).exists():
+            sources.append(source)
+        else:
+            Console(stderr=True).print(f"[yellow]skipping optional source {source}: not found[/]", highlight=False)
+    return sources
+
+
+def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
+    from draftsmith.data.stage import build_dataset
+
+    return build_dataset(
+        resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth, limit=cfg.limit,
+        hf_split=cfg.hf_split, seed=cfg.seed, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.batch_size,
+    )  # fmt: skip
+
+
+def extract(cfg: ExtractConfig, data_dir: Path, out: Path, target: Target) -> Path:
+    from draftsmith.data.stage import load_stage_conversations
+    from draftsmith.data.tokenize import tokenize_dataset
+    from draftsmith.store import extract as run_extract
+
+    conversations = load_stage_conversations(data_dir)
+    samples = list(tokenize_dataset(target.tokenizer, conversations, cfg.max_length))
+    return run_extract(
+        target, samples, out, layer_ids=cfg.layers, dtype=cfg.dtype, shard_size=cfg.shard_size,
+        max_length=cfg.max_length,
+    )  # fmt: skip
+
+
+def vocab(cfg: VocabConfig, store: Path, out: Path):
+    from draftsmith.vocab import vocab_from_store
+
+    return vocab_from_store(store, cfg.size, out)
+
+
+def train(
+    cfg: TrainConfig, store: Path, vocab_dir: Path, out: Path, target: Target, algo: str = "eagle3", fresh: bool = False
+) -> TrainResult:
+    from draftsmith.drafters.eagle3 import Eagle3Config
+    from draftsmith.store import HiddenStateStore
+    from draftsmith.train.trainer import train as run_train
+    from draftsmith.vocab import DraftVocab
+
+    if algo != "eagle3":
+        raise ConfigError(f"unknown --algo {algo!r}", hint="eagle3 is the algorithm available now")
+    dataset = HiddenStateStore(store)
+    dataset.check_compatible(target)
+    draft_vocab = DraftVocab.load(vocab_dir)
+    model_config = Eagle3Config.from_target(
+        target, len(draft_vocab.d2t), dataset.layer_ids, fingerprint=dataset.manifest["target_fingerprint"]
+    )
+    head = target.model.get_output_embeddings().weight.detach()
+    embed = target.model.get_input_embeddings().weight.detach()
+    return run_train(cfg, dataset, head, embed, draft_vocab.d2t, draft_vocab.t2d, model_config, out, resume=not fresh)
+
+
+def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
+    """Evaluate `cfg.drafter` and every drafter in `cfg.compare` against one shared, interleaved baseline; write
+    one report per drafter (the first in `cfg.out`, the others in `cfg.out/<name>`)."""
+    from draftsmith.data.sources import load_eval_prompts
+    from draftsmith.drafters import build_drafter
+    from draftsmith.evaluate import evaluate_drafters, write_report
+    from draftsmith.formats.load import checkpoint_dir
+
+    dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
+    specs = [cfg.drafter, *cfg.compare]
+    drafters = [build_drafter(s, target, dtype=cfg.dtype, draft_length=cfg.draft_length) for s in specs]
+    reports = evaluate_drafters(target, drafters, dataset, prompts, cfg)
+    for i, (spec, report) in enumerate(zip(specs, reports, strict=True)):
+        report["drafter_checkpoint"] = str(checkpoint_dir(spec)) if Path(spec).is_dir() else None
+        write_report(report, cfg.out if i == 0 else cfg.out / _safe_name(spec))
+    return reports
+
+
+def _safe_name(spec: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)

@@ -1,0 +1,94 @@
+"""`draftsmith run`: profiles resolve, stages chain through a status file, re-runs skip or redo exactly what changed."""
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from draftsmith.cli import app
+from draftsmith.errors import ConfigError
+from draftsmith.pipeline import load_pipeline, read_pipeline_file, shipped_pipelines
+from tests.conftest import tiny_target
+
+
+@pytest.mark.parametrize("name", shipped_pipelines())
+def test_every_shipped_profile_parses_and_resolves(name):
+    raw, _ = read_pipeline_file(name)
+    assert {"cpu-demo", "cpu-full", "gpu-1x", "gpu-8x"} <= set(raw["profiles"])
+    for profile in raw["profiles"]:
+        cfg = load_pipeline(name, profile)
+        assert cfg.stages[0] == "data" and cfg.eval.dataset == "mt_bench"
+        assert "mt_bench" not in " ".join(cfg.data.sources + cfg.data.optional_sources)  # never train on the eval set
+
+
+def test_set_overrides_and_bad_profile():
+    cfg = load_pipeline("eagle3", "cpu-demo", ["train.lr=0.005", "vocab.size=1000"])
+    assert cfg.train.lr == 0.005 and cfg.vocab.size == 1000 and cfg.train.ttt_steps == 4  # the profile still applies
+    with pytest.raises(ConfigError, match="no profile"):
+        load_pipeline("eagle3", "tpu-64x")
+    with pytest.raises(ConfigError, match="train.nope"):
+        load_pipeline("eagle3", None, ["train.nope=1"])
+    with pytest.raises(ConfigError, match="bad --set"):
+        load_pipeline("eagle3", None, ["train.lr"])
+
+
+def _tiny_pipeline(tmp_path, steps=4):
+    target = tiny_target(0, vocab_size=96)
+    target.model.save_pretrained(tmp_path / "model")
+    target.tokenizer.save_pretrained(tmp_path / "model")
+    convs = tmp_path / "convs.jsonl"
+    convs.write_text(
+        "".join(
+            json.dumps({"id": f"c{i}", "conversations": [
+                {"from": "human", "value": f"t{20 + i} t{30 + i}"}, {"from": "gpt", "value": f"t{40 + i} t{50 + i} t5"},
+            ]}) + "\n"
+            for i in range(6)
+        )
+    )  # fmt: skip
+    spec = {
+        "target": str(tmp_path / "model"),
+        "data": {"sources": [str(convs)]},
+        "extract": {"layers": [0, 1, 2], "dtype": "float32", "shard_size": 4},
+        "vocab": {"size": 16},
+        "train": {"max_steps": steps, "batch_size": 2, "ttt_steps": 3, "checkpoint_every": 2, "eval_every": 2,
+                  "warmup_steps": 1},
+        "eval": {"dataset": str(convs), "limit": 2, "max_new_tokens": 12, "compare": ["ngram"]},
+    }  # fmt: skip
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_run_chains_the_stages_and_resumes_only_what_changed(tmp_path):
+    pipeline, run_dir = _tiny_pipeline(tmp_path), tmp_path / "run"
+    invoke = CliRunner().invoke
+    result = invoke(app, ["run", str(pipeline), "--out", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    status = json.loads((run_dir / "status.json").read_text())["stages"]
+    assert [s for s, e in status.items() if e["state"] == "completed"] == ["data", "extract", "vocab", "train", "eval"]
+    eagle = json.loads((run_dir / "eval" / "report.json").read_text())
+    ngram = json.loads((run_dir / "eval" / "ngram" / "report.json").read_text())
+    assert eagle["mismatches"] == 0 and ngram["mismatches"] == 0
+    assert eagle["baseline_tokens_per_s"] == ngram["baseline_tokens_per_s"]  # one shared baseline
+    report = (run_dir / "report.md").read_text()
+    assert "| train |" in report and "acceptance.png" in report and (run_dir / "eval" / "acceptance.png").is_file()
+
+    again = invoke(app, ["run", str(pipeline), "--out", str(run_dir)])
+    assert again.exit_code == 0 and again.output.count("skipped") == 5, again.output
+
+    changed = invoke(app, ["run", str(pipeline), "--out", str(run_dir), "--set", "train.max_steps=6"])
+    assert changed.exit_code == 0, changed.output
+    assert changed.output.count("skipped") == 3 and "starting it over" in changed.output
+    assert (run_dir / "train" / "latest").read_text().strip().endswith("step-000006")
+    table = invoke(app, ["status", str(run_dir)])
+    assert table.exit_code == 0 and table.output.count("completed") == 5
+
+
+def test_a_failed_stage_is_recorded_and_names_the_resume_command(tmp_path):
+    pipeline, run_dir = _tiny_pipeline(tmp_path), tmp_path / "run"
+    result = CliRunner().invoke(app, ["run", str(pipeline), "--out", str(run_dir), "--set", "vocab.size=100000"])
+    assert result.exit_code == 2
+    assert "stage vocab failed" in result.output and "resume with: draftsmith run" in result.output
+    status = json.loads((run_dir / "status.json").read_text())["stages"]
+    assert status["extract"]["state"] == "completed" and status["vocab"]["state"] == "failed"
