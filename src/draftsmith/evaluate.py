@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 from transformers import GenerationConfig
 
@@ -21,6 +20,7 @@ from draftsmith.config import EvalConfig
 from draftsmith.data.sources import Conversation
 from draftsmith.decode.engine import Generation, SpeculativeDecoder
 from draftsmith.drafters.base import Drafter
+from draftsmith.progress import progress_bar
 from draftsmith.target import Target
 from draftsmith.util import write_atomic
 
@@ -79,7 +79,7 @@ def evaluate_drafters(
     specs: list[list[Generation]] = [[] for _ in decoders]
     baselines: list[tuple[list[int], float]] = []
     names = ", ".join(d.name for d in drafters)
-    with Progress(transient=True) as progress:
+    with progress_bar(transient=True) as progress:
         task = progress.add_task(f"eval {names} on {dataset}", total=len(prompts))
         for i, ids in enumerate(encoded):
             seed = cfg.seed + i

@@ -49,6 +49,7 @@ from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
 from draftsmith.errors import ConfigError, DataError, DraftsmithError
+from draftsmith.progress import progress_bar
 from draftsmith.target import Target
 from draftsmith.util import write_atomic
 
@@ -254,7 +255,7 @@ def extract(
 
 
 def _progress(enabled: bool, console: Console) -> Progress:
-    return Progress(
+    return progress_bar(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),

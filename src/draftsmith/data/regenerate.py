@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
 from transformers.masking_utils import sdpa_mask
 
 from draftsmith.data.sources import Conversation, Message
 from draftsmith.data.tokenize import render_chat
 from draftsmith.errors import ConfigError, DataError
+from draftsmith.progress import progress_bar
 from draftsmith.target import Target
 
 console = Console(stderr=True, soft_wrap=True)
@@ -155,7 +156,7 @@ def regenerate(
     stats = _Stats()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with (
-        Progress(*columns, console=console, disable=not progress) as bar,
+        progress_bar(*columns, console=console, disable=not progress) as bar,
         out_path.open("a", encoding="utf-8") as out,
     ):
         task = bar.add_task("regenerate", total=len(conversations), completed=len(conversations) - len(pending))

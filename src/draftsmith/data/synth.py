@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 
 from draftsmith.data.regenerate import generate_batch
 from draftsmith.data.sources import Conversation
 from draftsmith.data.tokenize import render_chat
 from draftsmith.errors import ConfigError, TargetError
+from draftsmith.progress import progress_bar
 from draftsmith.target import Target
 
 _PLACEHOLDER = "DRAFTSMITH_USER_MESSAGE_PLACEHOLDER"
@@ -75,7 +75,7 @@ def synthesize_prompts(
     torch.manual_seed(seed)
     kept: dict[str, str] = {}  # normalised text -> text, in the order written
     attempts = unfinished = bad_length = duplicates = 0
-    with Progress(console=console, disable=not progress) as bar:
+    with progress_bar(console=console, disable=not progress) as bar:
         task = bar.add_task("synthesise prompts", total=n)
         while len(kept) < n and attempts < max_attempts:
             size = min(batch_size, max_attempts - attempts)

@@ -122,6 +122,8 @@ class KVCache:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         new, total = q.shape[2], self.k.shape[2]
+        if new == 1:  # a draft step: the one query sees the whole cache, no mask needed
+            return F.scaled_dot_product_attention(q, self.k, self.v, enable_gqa=True)
         # The i-th new query sits at cache index past + i and sees everything up to and including itself.
         mask = torch.arange(total, device=q.device)[None, :] <= past + torch.arange(new, device=q.device)[:, None]
         return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=True)

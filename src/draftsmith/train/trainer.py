@@ -25,13 +25,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import Field
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from draftsmith.config import StageConfig
 from draftsmith.drafters.eagle3 import FROZEN, WEIGHTS_FILE, Eagle3Config, Eagle3Model, read_config, save_checkpoint
 from draftsmith.errors import ConfigError, DataError
+from draftsmith.progress import progress_bar
 from draftsmith.train.losses import ttt_loss, valid_positions
 from draftsmith.train.metrics import MetricsWriter, StepStats, plot_curves, read_metrics
 from draftsmith.util import write_atomic
@@ -158,7 +159,7 @@ class Trainer:
             TimeRemainingColumn(),
             TextColumn("{task.fields[info]}"),
         )
-        with Progress(*columns, disable=self.rank != 0) as progress:
+        with progress_bar(*columns, disable=self.rank != 0) as progress:
             task = progress.add_task("train", total=self.total_steps, completed=self.step, info="")
             while self.step < self.total_steps:
                 start = time.perf_counter()
