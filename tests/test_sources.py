@@ -308,6 +308,7 @@ def fake_datasets(monkeypatch: pytest.MonkeyPatch, load_dataset) -> list:
         return load_dataset()
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=record_call))
+    monkeypatch.setattr("draftsmith.target.hub_reachable", lambda: True)  # as if online
     return calls
 
 

@@ -239,6 +239,8 @@ def _load_named(name: str, data_dir: Path | None, limit: int | None) -> list[Con
     searched = ", ".join(dict.fromkeys(map(str, dirs)))  # data_dir and $DRAFTSMITH_DATA are often the same
     missing = f"{name}: {spec.file} not found in {searched or 'any data directory (none given)'}"
     hint = f"pass --data-dir DIR or set DRAFTSMITH_DATA to a folder that holds {spec.file}"
+    if not _hub_dataset_available(spec.hub_id):  # decided in milliseconds, before importing `datasets` (seconds)
+        raise DataError(f"{missing}, and {spec.hub_id} is neither reachable on the hub nor cached", hint=hint)
     try:
         import datasets
     except ImportError as e:
@@ -254,3 +256,14 @@ def _load_named(name: str, data_dir: Path | None, limit: int | None) -> list[Con
         record_to_conversation(spec.to_record(row), f"{spec.hub_id}[{i}]", index=i)
         for i, row in enumerate(islice(rows, limit))
     ]
+
+
+def _hub_dataset_available(hub_id: str) -> bool:
+    """Offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE): only if `datasets` has it cached; online: if the hub answers."""
+    from draftsmith.target import hub_reachable
+
+    if "1" in (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("HF_DATASETS_OFFLINE")):
+        home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+        cache = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser()
+        return any(cache.glob(hub_id.replace("/", "___") + "*"))
+    return hub_reachable()
