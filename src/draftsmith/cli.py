@@ -127,22 +127,25 @@ def extract(
 @app.command()
 @user_errors
 def vocab(
-    store: Annotated[Path, typer.Argument(help="a `draftsmith extract` directory")],
+    store: Annotated[Path, typer.Argument(help="an extract store, or a data directory (for --online training)")],
     size: Annotated[int, typer.Option(help="draft vocabulary size")] = 8192,
+    target: TargetOpt = "smollm2-135m",
     out: Annotated[Path, typer.Option(help="where vocab.safetensors and vocab.json go")] = Path("runs/vocab"),
 ) -> None:
     """The draft vocabulary: the most frequent loss-masked target tokens, with d2t / t2d and coverage."""
-    from draftsmith.stages import VocabConfig
+    from draftsmith.stages import VocabConfig, _is_data_dir
     from draftsmith.stages import vocab as run_vocab
+    from draftsmith.target import load_target
 
-    result = run_vocab(VocabConfig.checked(size=size), store, out)
+    tgt = load_target(target) if _is_data_dir(store) else None
+    result = run_vocab(VocabConfig.checked(size=size), store, out, tgt)
     console.print(f"wrote {out}: {size} tokens cover {result.coverage:.1%} of the training tokens")
 
 
 @app.command()
 @user_errors
 def train(
-    store: Annotated[Path, typer.Argument(help="a `draftsmith extract` directory")],
+    store: Annotated[Path, typer.Argument(help="an extract store (or with --online a `draftsmith data` directory)")],
     vocab_dir: Annotated[Path, typer.Option("--vocab", help="a `draftsmith vocab` directory")] = Path("runs/vocab"),
     out: Annotated[Path, typer.Option(help="run directory: checkpoints, metrics.jsonl, curves.png")] = Path(
         "runs/train"
@@ -161,15 +164,21 @@ def train(
     max_length: int = 2048,
     seed: int = 0,
     fresh: Annotated[bool, typer.Option(help="start over instead of resuming from OUT/latest")] = False,
+    online: Annotated[bool, typer.Option(help="compute the target's features on the fly from a data dir")] = False,
+    layers: Annotated[str | None, typer.Option(help="--online: aux layer ids (default 2, N//2, N-3)")] = None,
 ) -> None:
     """Train an EAGLE-3 drafter with the training-time test on an extract store (resumes by default; torchrun: DDP)."""
-    options = {k: v for k, v in locals().items() if k not in {"store", "vocab_dir", "out", "target", "algo", "fresh"}}
+    skip = {"store", "vocab_dir", "out", "target", "algo", "fresh", "online", "layers", "skip"}
+    options = {k: v for k, v in locals().items() if k not in skip}
     from draftsmith.stages import train as run_train
     from draftsmith.target import load_target
     from draftsmith.train.trainer import TrainConfig
 
     cfg = TrainConfig.checked(**options)
-    result = run_train(cfg, store, vocab_dir, out, load_target(target), algo=algo, fresh=fresh)
+    layer_ids = tuple(int(x) for x in layers.split(",")) if layers else None
+    result = run_train(
+        cfg, store, vocab_dir, out, load_target(target), algo=algo, fresh=fresh, online=online, layers=layer_ids
+    )
     console.print(f"trained {result.steps} steps; checkpoint {result.checkpoint}")
 
 

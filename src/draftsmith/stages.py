@@ -78,23 +78,38 @@ def extract(cfg: ExtractConfig, data_dir: Path, out: Path, target: Target) -> Pa
     )  # fmt: skip
 
 
-def vocab(cfg: VocabConfig, store: Path, out: Path):
+def vocab(cfg: VocabConfig, source: Path, out: Path, target: Target | None = None):
+    """From an extract store, or (for online training) from a data stage directory tokenised by `target`."""
     from draftsmith.vocab import vocab_from_store
 
-    return vocab_from_store(store, cfg.size, out)
+    return vocab_from_store(_features(source, target) if _is_data_dir(source) else source, cfg.size, out)
 
 
 def train(
-    cfg: TrainConfig, store: Path, vocab_dir: Path, out: Path, target: Target, algo: str = "eagle3", fresh: bool = False
+    cfg: TrainConfig,
+    source: Path,
+    vocab_dir: Path,
+    out: Path,
+    target: Target,
+    algo: str = "eagle3",
+    fresh: bool = False,
+    online: bool = False,
+    layers: tuple[int, ...] | None = None,
 ) -> TrainResult:
+    """Train on an extract store, or with `online` on a data stage directory (features computed as samples are
+    drawn, from the states entering `layers`)."""
     from draftsmith.drafters.eagle3 import Eagle3Config
-    from draftsmith.store import HiddenStateStore
     from draftsmith.train.trainer import train as run_train
     from draftsmith.vocab import DraftVocab
 
     if algo != "eagle3":
         raise ConfigError(f"unknown --algo {algo!r}", hint="eagle3 is the algorithm available now")
-    dataset = HiddenStateStore(store)
+    if online != _is_data_dir(source):
+        raise ConfigError(
+            f"{source} is {'a data' if _is_data_dir(source) else 'not a data'} stage directory",
+            hint="train on an extract store, or pass a `draftsmith data` directory with --online",
+        )
+    dataset = _features(source, target, layers, cfg.max_length)
     dataset.check_compatible(target)
     draft_vocab = DraftVocab.load(vocab_dir)
     model_config = Eagle3Config.from_target(
@@ -103,6 +118,25 @@ def train(
     head = target.model.get_output_embeddings().weight.detach()
     embed = target.model.get_input_embeddings().weight.detach()
     return run_train(cfg, dataset, head, embed, draft_vocab.d2t, draft_vocab.t2d, model_config, out, resume=not fresh)
+
+
+def _is_data_dir(path: Path) -> bool:
+    import json
+
+    manifest = Path(path) / "manifest.json"
+    return manifest.is_file() and json.loads(manifest.read_text()).get("stage") == "data"
+
+
+def _features(source: Path, target: Target | None, layers=None, max_length: int = 2048):
+    """The training features of `source`: a data stage directory computes them online, else it is a store."""
+    from draftsmith.online import OnlineFeatures
+    from draftsmith.store import HiddenStateStore
+
+    if not _is_data_dir(source):
+        return HiddenStateStore(source)
+    if target is None:
+        raise ConfigError(f"{source} is a data directory: tokenising it needs the target", hint="pass --target")
+    return OnlineFeatures(target, source, layers, max_length)
 
 
 def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:

@@ -251,13 +251,13 @@ def vocab_from_store(
     """
     from draftsmith.store import HiddenStateStore
 
-    store = HiddenStateStore(store_dir)
+    store = HiddenStateStore(store_dir) if isinstance(store_dir, str | Path) else store_dir  # or OnlineFeatures
     m = store.manifest
     if always_include is None:
         always_include = m.get("special_token_ids", m.get("eos_token_ids", []))
     vocab = build_draft_vocab(store.iter_tokens(), int(m["vocab_size"]), draft_vocab_size, always_include)
     source = {
-        "store": str(Path(store_dir).resolve()),
+        "store": str(Path(store_dir).resolve()) if isinstance(store_dir, str | Path) else m.get("data"),
         "target": m.get("target"),
         "target_fingerprint": m.get("target_fingerprint"),
         "samples": m.get("samples"),
