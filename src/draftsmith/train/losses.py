@@ -76,21 +76,21 @@ def ttt_forward(
 
 
 @torch.no_grad()
-def target_distribution(
-    last_hidden: torch.Tensor, target_head: torch.Tensor, draft_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the target's final hidden states (N, H): p over the draft vocabulary (N, Vd), renormalised, its
-    sum p log p (N,), and the target's own argmax over its full vocabulary (N,), which top-1 agreement is against.
-    Chunked, so the full-vocabulary logits of a long sequence never sit in memory at once."""
+def target_distribution(last_hidden: torch.Tensor, draft_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the target's final hidden states (N, H) and its head rows of the draft vocabulary (Vd, H): p over the
+    draft vocabulary (N, Vd), renormalised, and its sum p log p (N,)."""
+    log_p = torch.log_softmax(last_hidden.float() @ draft_head.float().T, dim=-1)
+    p = log_p.exp()
+    return p, (p * log_p).sum(-1)
+
+
+@torch.no_grad()
+def target_top(last_hidden: torch.Tensor, target_head: torch.Tensor) -> torch.Tensor:
+    """The target's own argmax over its full vocabulary (N,), which top-1 agreement is measured against. Chunked,
+    so the full-vocabulary logits of a long sequence never sit in memory at once; the trainer computes it once per
+    sample and caches it, because it costs more than the whole draft-vocabulary distribution."""
     head = target_head.float()
-    p, neg_entropy, argmax = [], [], []
-    for chunk in last_hidden.float().split(TARGET_CHUNK):
-        logits = chunk @ head.T
-        argmax.append(logits.argmax(-1))
-        log_p = torch.log_softmax(logits[:, draft_ids], dim=-1)
-        p.append(log_p.exp())
-        neg_entropy.append((p[-1] * log_p).sum(-1))
-    return torch.cat(p), torch.cat(neg_entropy), torch.cat(argmax)
+    return torch.cat([(chunk @ head.T).argmax(-1) for chunk in last_hidden.float().split(TARGET_CHUNK)])
 
 
 def valid_positions(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
@@ -119,7 +119,11 @@ def ttt_loss(
     row = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
     row[needed] = torch.arange(int(needed.sum()), device=mask.device)
     draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=model.d2t.device))
-    p, neg_entropy, target_top = target_distribution(batch["last_hidden"][needed], target_head, draft_ids)
+    p, neg_entropy = target_distribution(batch["last_hidden"][needed], target_head[draft_ids])
+    if "target_top" in batch:
+        top = batch["target_top"][needed]
+    else:
+        top = target_top(batch["last_hidden"][needed], target_head)
 
     total = p.new_zeros(())
     stats = StepStats.zeros(steps, p.device)
@@ -130,6 +134,6 @@ def ttt_loss(
         kl = F.cross_entropy(logits, p[target_row], reduction="none") + neg_entropy[target_row]
         total = total + step_weight**k * kl.sum() / denominators[k].clamp_min(1)
         stats.loss_sum[k] += kl.sum().detach()
-        stats.correct[k] += (draft_ids[logits.argmax(-1)] == target_top[target_row]).sum()
+        stats.correct[k] += (draft_ids[logits.argmax(-1)] == top[target_row]).sum()
         stats.count[k] += len(b)
     return total, stats

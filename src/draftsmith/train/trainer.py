@@ -1,4 +1,4 @@
-"""The EAGLE-3 training loop: TTT loss, AdamW with warm-up + cosine, clipping, checkpoints, exact resume, DDP.
+"""The EAGLE-3 training loop: TTT loss, AdamW with warm-up + cosine, clipping, checkpoints, exact resume, DDP/FSDP.
 
 Determinism is by construction, so a resumed run retraces an uninterrupted one: step s always trains on the same
 global batch (an endless stream of seeded per-epoch permutations, so the data position is the step number), the
@@ -7,7 +7,8 @@ model starts from a seeded init, and a checkpoint holds the model, optimiser, sc
 Data parallelism: under torchrun (WORLD_SIZE > 1) every rank takes every world-th sequence of the global batch and
 the gradients are summed across ranks. Each micro-batch loss is already divided by the global batch's count of
 valid positions per TTT step, so the sum is the exact token-level mean whatever the world size or micro-batching.
-Only rank 0 writes files.
+With `fsdp` the drafter is sharded over the ranks instead of replicated (see train/distributed.py). Only rank 0
+writes files, and a checkpoint always holds full tensors: a run resumes with any number of processes, DDP or FSDP.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from draftsmith.config import StageConfig
 from draftsmith.drafters.eagle3 import FROZEN, WEIGHTS_FILE, Eagle3Config, Eagle3Model, read_config, save_checkpoint
 from draftsmith.errors import ConfigError, DataError
 from draftsmith.progress import progress_bar
-from draftsmith.train.losses import ttt_loss, valid_positions
+from draftsmith.train.losses import target_top, ttt_loss, valid_positions
 from draftsmith.train.metrics import MetricsWriter, StepStats, plot_curves, read_metrics
 from draftsmith.util import write_atomic
 
 STATE_FILE = "trainer_state.pt"
 # Settings a resumed run may change; any other difference would silently change the run, so it is an error.
-RESUMABLE = {"max_steps", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every"}
+RESUMABLE = {"max_steps", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every", "fsdp"}
 
 
 class TrainConfig(StageConfig):
@@ -60,6 +61,7 @@ class TrainConfig(StageConfig):
     seed: int = 0
     bf16: bool = False  # bf16 autocast (CPU or CUDA); weights, optimiser and losses stay fp32
     max_length: int = Field(default=2048, ge=3)  # longer sequences are truncated
+    fsdp: bool = False  # under torchrun: shard the drafter over the processes (FSDP2) instead of replicating it
 
 
 @dataclass
@@ -130,6 +132,12 @@ class Trainer:
 
         self.model = model.to(device)
         self.head = target_head.detach().to(device, torch.float32)
+        self.target_tops: dict[int, torch.Tensor] = {}  # sample index -> the target's argmax per position
+        self.sharded = None  # with FSDP: the root module whose forward is the loss
+        if cfg.fsdp and self.world > 1:
+            from draftsmith.train.distributed import shard
+
+            self.sharded = shard(self.model, self.head, cfg.ttt_steps, cfg.step_weight)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         warmup, total = cfg.warmup_steps, self.total_steps
@@ -144,7 +152,7 @@ class Trainer:
         elif self.rank == 0:  # starting over: an earlier run's checkpoints must not outlive (or outrank) ours
             shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
             latest.unlink(missing_ok=True)
-        if self.world > 1:  # every rank starts from rank 0's weights, whatever happened before
+        if self.world > 1 and self.sharded is None:  # every rank starts from rank 0's weights (FSDP: seeded alike)
             for tensor in self.model.state_dict().values():
                 dist.broadcast(tensor, 0)
         if self.rank == 0:
@@ -193,11 +201,19 @@ class Trainer:
         val_metrics = val_metrics or last.get("val")
         return TrainResult(self.checkpoint_dir(self.step), self.step, train_metrics, val_metrics)
 
+    def _sample(self, index: int) -> dict[str, torch.Tensor]:
+        """A dataset item plus the target's full-vocabulary argmax per position, computed once per sample: it costs
+        12x the draft-vocabulary distribution (49k vs 4k head rows for SmolLM2) and only feeds the accuracy metric."""
+        sample = self.dataset[index]
+        if index not in self.target_tops:
+            self.target_tops[index] = target_top(sample["last_hidden"].to(self.device), self.head).cpu()
+        return sample | {"target_top": self.target_tops[index]}
+
     def micro_batches(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         mine = indices[self.rank :: self.world]
         size = self.cfg.micro_batch_size
         return [
-            collate([self.dataset[i] for i in mine[j : j + size]], self.cfg.max_length, self.device)
+            collate([self._sample(i) for i in mine[j : j + size]], self.cfg.max_length, self.device)
             for j in range(0, len(mine), size)
         ]
 
@@ -215,15 +231,18 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(counts)
         stats = StepStats.zeros(cfg.ttt_steps, self.device)
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            if self.sharded is not None:  # FSDP: reduce-scatter the summed gradients once, after the last one
+                self.sharded.set_requires_gradient_sync(i == len(batches) - 1)
             with self.autocast():
-                loss, batch_stats = ttt_loss(self.model, batch, self.head, cfg.ttt_steps, cfg.step_weight, counts[1:])
+                loss, batch_stats = self.loss(batch, counts[1:])
             loss.backward()
             stats += batch_stats
-        if self.world > 1:
+        if self.world > 1 and self.sharded is None:
             for p in self.params:
                 dist.all_reduce(p.grad)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats.all_reduce(), int(counts[0]), grad_norm
@@ -233,25 +252,45 @@ class Trainer:
         cfg = self.cfg
         stats = StepStats.zeros(cfg.ttt_steps, self.device)
         ones = torch.ones(cfg.ttt_steps, device=self.device)
-        for batch in self.micro_batches(self.val_idx):
+        batches = self.micro_batches(self.val_idx)
+        for batch in batches:
             with self.autocast():
-                stats += ttt_loss(self.model, batch, self.head, cfg.ttt_steps, cfg.step_weight, ones)[1]
+                stats += self.loss(batch, ones)[1]
+        if self.sharded is not None:  # FSDP: every rank runs as many forwards as the busiest one (collectives)
+            most = torch.tensor(len(batches), device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            filler = self.micro_batches(self.val_idx[:1] * self.world)[0]
+            for _ in range(int(most) - len(batches)):
+                with self.autocast():
+                    self.loss(filler, ones)  # discarded
         return stats.all_reduce()
+
+    def loss(self, batch: dict[str, torch.Tensor], denominators: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
+        if self.sharded is not None:
+            return self.sharded(batch, denominators)
+        return ttt_loss(self.model, batch, self.head, self.cfg.ttt_steps, self.cfg.step_weight, denominators)
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.out_dir / "checkpoints" / f"step-{step:06d}"
 
     def save(self) -> None:
         """Write the checkpoint under a temporary name, rename it into place, then point `latest` at it."""
+        model, optimizer_state = self.model, None
+        if self.sharded is not None:  # gather full tensors on every rank (collectives); rank 0 writes them
+            from draftsmith.train import distributed
+
+            model = Eagle3Model(self.model.config)
+            model.load_state_dict(distributed.full_model_state(self.model))
+            optimizer_state = distributed.full_optimizer_state(self.optimizer)
         if self.rank == 0:
             final = self.checkpoint_dir(self.step)
             tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
-            save_checkpoint(self.model, tmp)
+            save_checkpoint(model, tmp)
             state = {
                 "step": self.step,
                 "config": self.cfg.model_dump(mode="json"),
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer_state or self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "rng": rng_state(),
             }
@@ -280,8 +319,14 @@ class Trainer:
                 hint="train into a new output directory, or start over without resuming",
             )
         weights = load_file(path / WEIGHTS_FILE, device=str(self.device))
-        self.model.load_state_dict(weights | {k: self.model.state_dict()[k] for k in FROZEN})
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded is not None:  # scatter the full tensors into this run's shards
+            from draftsmith.train import distributed
+
+            distributed.load_model_state(self.model, weights | {k: self.model.state_dict()[k] for k in FROZEN})
+            distributed.load_optimizer_state(self.optimizer, state["optimizer"])
+        else:
+            self.model.load_state_dict(weights | {k: self.model.state_dict()[k] for k in FROZEN})
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.step = state["step"]
@@ -322,6 +367,8 @@ def collate(samples: list[dict[str, torch.Tensor]], max_length: int, device: tor
         "aux_hidden": torch.zeros(len(samples), length, width_aux),
         "last_hidden": torch.zeros(len(samples), length, width),
     }
+    if "target_top" in samples[0]:
+        out["target_top"] = torch.zeros(len(samples), length, dtype=torch.long)
     for i, sample in enumerate(samples):
         n = min(length, len(sample["input_ids"]))
         for key, value in out.items():
