@@ -252,17 +252,17 @@ class Trainer:
         cfg = self.cfg
         stats = StepStats.zeros(cfg.ttt_steps, self.device)
         ones = torch.ones(cfg.ttt_steps, device=self.device)
-        batches = self.micro_batches(self.val_idx)
-        for batch in batches:
-            with self.autocast():
-                stats += self.loss(batch, ones)[1]
+        batches: list = self.micro_batches(self.val_idx)
         if self.sharded is not None:  # FSDP: every rank runs as many forwards as the busiest one (collectives)
             most = torch.tensor(len(batches), device=self.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            filler = self.micro_batches(self.val_idx[:1] * self.world)[0]
-            for _ in range(int(most) - len(batches)):
-                with self.autocast():
-                    self.loss(filler, ones)  # discarded
+            filler = self.micro_batches(self.val_idx[:1] * self.world)[0]  # its results are discarded
+            batches += [None] * (int(most) - len(batches))
+        for batch in batches:
+            with self.autocast():
+                batch_stats = self.loss(filler if batch is None else batch, ones)[1]
+            if batch is not None:
+                stats += batch_stats
         return stats.all_reduce()
 
     def loss(self, batch: dict[str, torch.Tensor], denominators: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
