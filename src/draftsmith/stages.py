@@ -7,7 +7,7 @@ writes, and an already loaded target where it needs one: a pipeline loads the ta
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -28,6 +28,8 @@ class DataConfig(StageConfig):
     max_new_tokens: int = Field(default=256, ge=1)
     batch_size: int = Field(default=16, ge=1)
     seed: int = 0
+    backend: Literal["transformers", "vllm"] = "transformers"  # the engine that synthesises and regenerates
+    backend_options: dict[str, Any] = {}  # vllm: extra `vllm.LLM(...)` arguments, e.g. {tensor_parallel_size: 8}
 
 
 class ExtractConfig(StageConfig):
@@ -35,6 +37,8 @@ class ExtractConfig(StageConfig):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     max_length: int = Field(default=2048, ge=2)
     shard_size: int = Field(default=64, ge=1)
+    backend: Literal["transformers", "vllm"] = "transformers"  # the engine that computes the features
+    backend_options: dict[str, Any] = {}  # vllm: extra `vllm.LLM(...)` arguments (+ hidden_states_dir)
 
 
 class VocabConfig(StageConfig):
@@ -56,26 +60,37 @@ def resolve_sources(cfg: DataConfig) -> list[str]:
 
 
 def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
+    from draftsmith.backends import get_backend
     from draftsmith.data.stage import build_dataset
 
-    return build_dataset(
-        resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth, limit=cfg.limit,
-        hf_split=cfg.hf_split, seed=cfg.seed, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-        batch_size=cfg.batch_size,
-    )  # fmt: skip
+    backend = get_backend(cfg.backend, target, cfg.backend_options) if target is not None else None
+    try:
+        return build_dataset(
+            resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth, limit=cfg.limit,
+            hf_split=cfg.hf_split, seed=cfg.seed, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+            batch_size=cfg.batch_size, backend=backend,
+        )  # fmt: skip
+    finally:
+        if backend is not None:
+            backend.close()
 
 
 def extract(cfg: ExtractConfig, data_dir: Path, out: Path, target: Target) -> Path:
+    from draftsmith.backends import get_backend
     from draftsmith.data.stage import load_stage_conversations
     from draftsmith.data.tokenize import tokenize_dataset
     from draftsmith.store import extract as run_extract
 
     conversations = load_stage_conversations(data_dir)
     samples = list(tokenize_dataset(target.tokenizer, conversations, cfg.max_length))
-    return run_extract(
-        target, samples, out, layer_ids=cfg.layers, dtype=cfg.dtype, shard_size=cfg.shard_size,
-        max_length=cfg.max_length,
-    )  # fmt: skip
+    backend = get_backend(cfg.backend, target, cfg.backend_options)
+    try:
+        return run_extract(
+            target, samples, out, layer_ids=cfg.layers, dtype=cfg.dtype, shard_size=cfg.shard_size,
+            max_length=cfg.max_length, backend=backend,
+        )  # fmt: skip
+    finally:
+        backend.close()
 
 
 def vocab(cfg: VocabConfig, source: Path, out: Path, target: Target | None = None):

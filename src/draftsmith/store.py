@@ -38,10 +38,9 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from safetensors import safe_open
@@ -52,6 +51,9 @@ from draftsmith.errors import ConfigError, DataError, DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.target import Target
 from draftsmith.util import write_atomic
+
+if TYPE_CHECKING:
+    from draftsmith.backends import Backend
 
 FORMAT = "draftsmith.hidden_states/1"
 LAYER_CONVENTION = "input of decoder layer i; 0 = embedding output"
@@ -121,8 +123,12 @@ def extract(
     max_length: int | None = None,
     progress: bool = True,
     console: Console | None = None,
+    backend: Backend | None = None,
 ) -> Path:
     """Run `target` over `samples` and store their hidden states in `out_dir`; returns the store directory.
+
+    `backend` computes the features (default: transformers, on the target as loaded); the manifest records which
+    one did, and a store is resumed only by the backend that started it: two engines never agree to the last bit.
 
     Samples longer than `max_length` (default: the target's context length) are cut to it. If `samples` is a
     Sequence (a list), the totals are known up front: the size estimate and the disk-space check cover the whole
@@ -149,7 +155,12 @@ def extract(
         "hidden_size": str(target.hidden_size),
         "max_length": str(limit),
     }
-    done = _existing_shards(out, header, target.name)  # raises before any work on a mismatched store
+    own_backend = backend is None
+    if backend is None:
+        from draftsmith.backends.hf import TransformersBackend
+
+        backend = TransformersBackend(target)
+    done = _existing_shards(out, header, target.name, backend.name)  # raises before any work on a mismatch
     n_done = sum(s["samples"] for s in done)
     per_token = bytes_per_token(target.hidden_size, len(ids), dtype)
 
@@ -189,6 +200,7 @@ def extract(
         "eos_token_ids": sorted(target.eos_token_ids),
         "special_token_ids": sorted(set(getattr(target.tokenizer, "all_special_ids", [])) | target.eos_token_ids),
         "bytes_per_token": per_token,
+        "backend": backend.describe(),
         "config": config,
     }
     _write_manifest(out, meta, done, complete=False)
@@ -196,12 +208,28 @@ def extract(
     store_dtype = STORE_DTYPES[dtype]
     vocab = target.model.get_input_embeddings().num_embeddings
     shard_index = len(done)
-    pending: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    todo: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # the next shard's samples, features not yet computed
     digest = hashlib.sha256()
     check_idx, check_digest, check_left = 0, hashlib.sha256(), done[0]["samples"] if done else 0
     seen = 0
     new_tokens, start = 0, time.perf_counter()
     bar = _progress(progress, console)
+
+    def write_next_shard() -> None:
+        """Features for `todo` (the backend sees a whole shard: a batching engine batches it), then the shard."""
+        nonlocal shard_index, todo, digest, new_tokens
+        pending = []
+        features = backend.features([sample_ids for _, sample_ids, _ in todo], ids)
+        for (sid, ids_t, mask_t), (aux, last) in zip(todo, features, strict=True):
+            pending.append((sid, ids_t, mask_t, aux.to("cpu", store_dtype).contiguous(),
+                            last.to("cpu", store_dtype).contiguous()))  # fmt: skip
+            new_tokens += len(ids_t)
+            bar.advance(task)
+            bar.update(task, description=f"extract ({new_tokens / (time.perf_counter() - start):.0f} tok/s)")
+        first = seen - len(pending)
+        done.append(_write_shard(out, shard_index, first, pending, header, target.name, digest, per_token))
+        shard_index, todo, digest = shard_index + 1, [], hashlib.sha256()
+
     with bar:
         task = bar.add_task("extract", total=total_samples, completed=0)
         for sid, input_ids, loss_mask in samples:
@@ -217,25 +245,16 @@ def extract(
                 seen += 1
                 bar.advance(task)
                 continue
-            out_t = target.forward(ids_t.long(), target.new_cache(), layer_ids=ids, logits_to_keep=1, last_hidden=True)
-            aux = out_t.aux_hidden.to("cpu", store_dtype).contiguous()
-            last = out_t.last_hidden.to("cpu", store_dtype).contiguous()
-            pending.append((sid, ids_t, mask_t, aux, last))
+            todo.append((sid, ids_t, mask_t))
             _hash_sample(digest, sid, ids_t, mask_t)
             seen += 1
-            new_tokens += len(ids_t)
-            bar.advance(task)
-            bar.update(task, description=f"extract ({new_tokens / (time.perf_counter() - start):.0f} tok/s)")
-            if len(pending) == shard_size:
-                done.append(
-                    _write_shard(out, shard_index, seen - len(pending), pending, header, target.name, digest, per_token)
-                )
+            if len(todo) == shard_size:
+                write_next_shard()
                 _write_manifest(out, meta, done, complete=False)
-                shard_index, pending, digest = shard_index + 1, [], hashlib.sha256()
-        if pending:
-            done.append(
-                _write_shard(out, shard_index, seen - len(pending), pending, header, target.name, digest, per_token)
-            )
+        if todo:
+            write_next_shard()
+    if own_backend:
+        backend.close()
     if seen == 0:
         raise DataError("extract got no samples", hint="check the input data (the tokenize stage's output)")
     if seen < n_done:
@@ -351,7 +370,6 @@ def _write_manifest(out: Path, meta: dict, shards: list[dict], complete: bool) -
         "format": FORMAT,
         "complete": complete,
         **{k: v for k, v in meta.items() if k != "config"},
-        "backend": {"name": "transformers", "transformers": transformers.__version__, "torch": torch.__version__},
         "samples": sum(s["samples"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
         "masked_tokens": sum(s["masked_tokens"] for s in shards),  # tokens with loss_mask = 1
@@ -363,7 +381,7 @@ def _write_manifest(out: Path, meta: dict, shards: list[dict], complete: bool) -
     return manifest
 
 
-def _existing_shards(out: Path, header: dict[str, str], target_name: str) -> list[dict]:
+def _existing_shards(out: Path, header: dict[str, str], target_name: str, backend: str) -> list[dict]:
     """The complete shards already in `out`, checked against what this run would write; [] for a new store."""
     if not out.exists():
         return []
@@ -380,6 +398,13 @@ def _existing_shards(out: Path, header: dict[str, str], target_name: str) -> lis
         if manifest.get("stage") != "extract":
             raise DraftsmithError(f"{out} holds a {manifest.get('stage')!r} stage, not a hidden-state store", hint=hint)
         _check_header(out, "manifest.json", _manifest_header(manifest), header, manifest.get("target"), target_name)
+        made_by = (manifest.get("backend") or {}).get("name", "transformers")
+        if made_by != backend and manifest.get("shards"):
+            raise DraftsmithError(
+                f"store {out} was started by the {made_by} backend, this run uses {backend}: one store must hold the "
+                "features of one engine",
+                hint=f"resume with backend {made_by}, or delete {out} (or pick a new --out) to start over",
+            )
     shards = sorted(out.glob("shard-*.safetensors"))
     others = [p.name for p in out.iterdir() if p.name != MANIFEST and p not in shards and not p.name.startswith(".")]
     if others and not manifest:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from draftsmith.data.tokenize import render_chat
 from draftsmith.errors import ConfigError, DataError
 from draftsmith.progress import progress_bar
 from draftsmith.target import Target
+
+if TYPE_CHECKING:
+    from draftsmith.backends import Backend
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -130,8 +134,11 @@ def regenerate(
     batch_size: int,
     seed: int,
     progress: bool = True,
+    backend: Backend | None = None,
 ) -> Path:
-    """Write `out_path` (JSONL: {"id", "messages"}) with every assistant turn written by `target`; resumes."""
+    """Write `out_path` (JSONL: {"id", "messages"}) with every assistant turn written by `target`; resumes.
+
+    `backend` runs the generation (default: `generate_batch` on `target`; see `draftsmith.backends`)."""
     if batch_size < 1 or max_new_tokens < 1:
         raise ConfigError(
             f"batch_size and max_new_tokens must be at least 1, found {batch_size} and {max_new_tokens}",
@@ -162,8 +169,9 @@ def regenerate(
         task = bar.add_task("regenerate", total=len(conversations), completed=len(conversations) - len(pending))
         for start in range(0, len(pending), batch_size):
             ids = pending[start : start + batch_size]
-            torch.manual_seed(_batch_seed(seed, ids))
-            records = _regenerate_batch(target, ids, plans, temperature, max_new_tokens, stats)
+            batch_seed = _batch_seed(seed, ids)
+            torch.manual_seed(batch_seed)
+            records = _regenerate_batch(target, ids, plans, temperature, max_new_tokens, stats, backend, batch_seed)
             out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
             out.flush()
             os.fsync(out.fileno())
@@ -249,12 +257,15 @@ def _regenerate_batch(
     temperature: float,
     max_new_tokens: int,
     stats: _Stats,
+    backend: Backend | None = None,
+    seed: int = 0,
 ) -> list[dict]:
     """Regenerate a batch of conversations turn by turn: one batched `generate` per turn index."""
     written: dict[str, list[dict]] = {cid: [] for cid in ids}
     position = dict.fromkeys(ids, 0)
     active = list(ids)
     stop_ids = target.eos_token_ids
+    turn = 0
     while active:
         waiting, prompts = [], []
         for cid in active:
@@ -273,9 +284,12 @@ def _regenerate_batch(
         if not waiting:
             break
         start = time.perf_counter()
-        outputs = generate_batch(
-            target, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids
-        )
+        options = {"temperature": temperature, "max_new_tokens": max_new_tokens, "stop_ids": stop_ids}
+        if backend is None:
+            outputs = generate_batch(target, prompts, **options)
+        else:  # an engine with its own RNG gets a seed per batch and turn (turn i of a batch: seed + 65537 i)
+            outputs = backend.generate(prompts, seed=seed + 65_537 * turn, **options)
+        turn += 1
         stats.seconds += time.perf_counter() - start
         for cid, (tokens, ended) in zip(waiting, outputs, strict=True):
             text = target.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)

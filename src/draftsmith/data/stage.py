@@ -18,7 +18,7 @@ import os
 from datetime import UTC, datetime
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftsmith.data.regenerate import check_unique_ids
 from draftsmith.data.regenerate import regenerate as regenerate_conversations
@@ -27,6 +27,9 @@ from draftsmith.data.synth import synthesize_prompts
 from draftsmith.errors import ConfigError, DataError
 from draftsmith.target import Target, hub_reachable
 from draftsmith.util import write_atomic
+
+if TYPE_CHECKING:
+    from draftsmith.backends import Backend
 
 _FILE_SUFFIXES = (".jsonl", ".json", ".gz")
 
@@ -44,6 +47,7 @@ def build_dataset(
     temperature: float = 0.0,
     max_new_tokens: int = 256,
     batch_size: int = 16,
+    backend: Backend | None = None,
 ) -> Path:
     """Build the data stage directory and return it.
 
@@ -51,6 +55,7 @@ def build_dataset(
     (`owner/name` or `owner/name:config`, split `hf_split`); `limit` keeps the first N conversations of each source;
     `synth` adds N prompts the target writes itself. `temperature`, `max_new_tokens` and `batch_size` drive the
     regeneration (synthesis samples at its own defaults, since a greedy prompt writer writes one prompt).
+    `backend` runs the target for synthesis and regeneration (default: transformers; the manifest records it).
     """
     if not sources and synth <= 0:
         raise ConfigError("no data: no sources and no --synth prompts", hint="pass a file, a hub dataset or --synth N")
@@ -85,14 +90,15 @@ def build_dataset(
         counts = previous["counts"]
     else:
         conversations, counts = _gather(
-            sources, target, synth=synth, limit=limit, hf_split=hf_split, seed=seed, batch_size=batch_size
-        )
+            sources, target, synth=synth, limit=limit, hf_split=hf_split, seed=seed, batch_size=batch_size,
+            backend=backend,
+        )  # fmt: skip
         check_unique_ids(conversations)
         if not regenerate:
             _check_answered(sources, conversations)
         out_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(conversations_path, "".join(_jsonl(c) for c in conversations))
-        write_atomic(manifest_path, _manifest(inputs, counts, complete=False))
+        write_atomic(manifest_path, _manifest(inputs, counts, complete=False, backend=backend))
 
     if regenerate:
         regenerate_conversations(
@@ -103,9 +109,10 @@ def build_dataset(
             max_new_tokens=max_new_tokens,
             batch_size=batch_size,
             seed=seed,
+            backend=backend,
         )
         counts = counts | _regenerated_counts(regenerated_path)
-    write_atomic(manifest_path, _manifest(inputs, counts, complete=True))
+    write_atomic(manifest_path, _manifest(inputs, counts, complete=True, backend=backend))
     return out_dir
 
 
@@ -118,6 +125,7 @@ def _gather(
     hf_split: str,
     seed: int,
     batch_size: int,
+    backend: Backend | None = None,
 ) -> tuple[list[Conversation], dict[str, Any]]:
     """All conversations, ids prefixed with their source's name when several inputs are combined."""
     several = len(sources) + (synth > 0) > 1
@@ -128,7 +136,9 @@ def _gather(
         prefix = f"{_short_name(source)}/" if several else ""
         conversations += [Conversation(prefix + c.id, c.messages) for c in loaded]
         per_source[source] = len(loaded)
-    synthesised = synthesize_prompts(target, synth, seed=seed, batch_size=batch_size) if synth > 0 else []
+    synthesised = (
+        synthesize_prompts(target, synth, seed=seed, batch_size=batch_size, backend=backend) if synth > 0 else []
+    )
     conversations += synthesised
     counts = {"sources": per_source, "synth": len(synthesised), "conversations": len(conversations)}
     return conversations, counts
@@ -206,12 +216,13 @@ def _jsonl(conv: Conversation) -> str:
     return json.dumps({"id": conv.id, "messages": conv.messages}, ensure_ascii=False) + "\n"
 
 
-def _manifest(inputs: dict[str, Any], counts: dict[str, Any], *, complete: bool) -> str:
+def _manifest(inputs: dict[str, Any], counts: dict[str, Any], *, complete: bool, backend: Backend | None) -> str:
     manifest = {
         "stage": "data",
         "complete": complete,
         **inputs,
         "counts": counts,
+        "backend": backend.describe() if backend else {"name": "transformers"},  # what wrote synth and regenerated
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     return json.dumps(manifest, indent=2) + "\n"

@@ -10,6 +10,8 @@ prompts (after casefolding and collapsing whitespace) are dropped.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from rich.console import Console
 
@@ -19,6 +21,9 @@ from draftsmith.data.tokenize import render_chat
 from draftsmith.errors import ConfigError, TargetError
 from draftsmith.progress import progress_bar
 from draftsmith.target import Target
+
+if TYPE_CHECKING:
+    from draftsmith.backends import Backend
 
 _PLACEHOLDER = "DRAFTSMITH_USER_MESSAGE_PLACEHOLDER"
 console = Console(stderr=True, soft_wrap=True)
@@ -53,6 +58,7 @@ def synthesize_prompts(
     batch_size: int = 16,
     max_attempts: int | None = None,
     progress: bool = True,
+    backend: Backend | None = None,
 ) -> list[Conversation]:
     """Up to `n` distinct user prompts written by the target, as one-message conversations `synth-00000`, ...
 
@@ -79,9 +85,11 @@ def synthesize_prompts(
         task = bar.add_task("synthesise prompts", total=n)
         while len(kept) < n and attempts < max_attempts:
             size = min(batch_size, max_attempts - attempts)
-            outputs = generate_batch(
-                target, [prompt] * size, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids
-            )
+            options = {"temperature": temperature, "max_new_tokens": max_new_tokens, "stop_ids": stop_ids}
+            if backend is None:
+                outputs = generate_batch(target, [prompt] * size, **options)
+            else:  # an engine with its own RNG: sample k of the run gets seed + k
+                outputs = backend.generate([prompt] * size, seed=seed + attempts, **options)
             attempts += size
             for tokens, ended in outputs:
                 text = target.tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -1,0 +1,55 @@
+"""The transformers backend: the target as `load_target` loaded it, on its own device, one process.
+
+Generation is `draftsmith.data.regenerate.generate_batch` (a left-padded batch whose finished rows leave it);
+features are one `Target.forward` per sample with pre-hooks on the chosen decoder layers (see `draftsmith.target`
+for the layer-id convention). Both are what the data and extract stages did before backends existed, so stores
+and regenerations made by either are identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import transformers
+
+from draftsmith.target import Target
+
+
+class TransformersBackend:
+    name = "transformers"
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        *,
+        temperature: float,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        seed: int,
+    ) -> list[tuple[list[int], bool]]:
+        """Samples from the global torch RNG, which the callers seed per batch (`seed` is for engines that keep
+        their own RNG); looked up on the module at call time so tests can replace it."""
+        from draftsmith.data import regenerate
+
+        return regenerate.generate_batch(
+            self.target, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids
+        )
+
+    def features(
+        self, samples: Sequence[torch.Tensor], layer_ids: tuple[int, ...]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        target = self.target
+        for ids in samples:
+            out = target.forward(ids.long(), target.new_cache(), layer_ids, logits_to_keep=1, last_hidden=True)
+            yield out.aux_hidden, out.last_hidden
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "transformers": transformers.__version__, "torch": torch.__version__}
+
+    def close(self) -> None:
+        pass  # the target belongs to the caller, who uses it again
