@@ -1,6 +1,7 @@
 """Engine backends: transformers is what the stages did before; vLLM fails clearly where it is missing, and its
 glue (stop tokens, layer order, final norm, files) is checked against a stand-in for vLLM's documented API."""
 
+import copy
 import json
 import sys
 
@@ -103,3 +104,25 @@ def test_vllm_backend_glue_against_the_documented_api(tmp_path, monkeypatch):
     backend.close()
     assert not list(tmp_path.glob("draftsmith-vllm-hs-*"))  # every per-request file and the directory are gone
     assert feature_dir.startswith(str(tmp_path))
+
+
+def test_doctor_reads_which_backend_made_the_store(tmp_path):
+    """States from another engine differ beyond the store's rounding (here weights off by 1e-3 relative stand in
+    for other kernels); doctor passes that when the manifest says another engine made them, warns when it says ours."""
+    from draftsmith.formats.doctor import check_hidden_states
+    from draftsmith.target import Target
+
+    target = tiny_target(0)
+    model = copy.deepcopy(target.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + 1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    # (layers 1..3: layer 0 is the embedding, whose all-zero padding row has no cosine)
+    store = extract(Target("other", model, target.tokenizer), make_samples(4), tmp_path / "s", layer_ids=(1, 2, 3),
+                    dtype="float32", progress=False)  # fmt: skip
+    assert check_hidden_states(target, store, samples=4, max_tokens=256).status == "WARN"
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["backend"] = {"name": "vllm", "vllm": "0.11.0"}
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    check = check_hidden_states(target, store, samples=4, max_tokens=256)
+    assert check.status == "PASS" and "extracted by vllm 0.11.0, recomputed here with transformers" in check.detail

@@ -253,6 +253,13 @@ def check_hidden_states(target: Target | None, store: str | Path | None, samples
     per_layer = ", ".join(f"layer {i}: cos {c:.5f} rel.err {r:.2%}" for i, c, r in zip(ids, cosine, rel, strict=True))
     floor = 2 * EPS[data.dtype] + 1e-4  # what rounding to the store's dtype alone explains
     where = f"{tokens} tokens of {min(samples, len(data))} samples, served as {next(target.model.parameters()).dtype}"
+    # The manifest says which engine computed the stored states; here transformers recomputes them. Two engines
+    # never agree to the last bit (kernels, fused ops), so beyond rounding is expected across engines, not within one.
+    made_by = data.manifest.get("backend") or {"name": "transformers"}
+    engine = f"{made_by['name']} {made_by.get(made_by['name'], '')}".strip()
+    other_engine = made_by["name"] != "transformers"
+    if other_engine:
+        where += f"; the store was extracted by {engine}, recomputed here with transformers"
     if not all(math.isfinite(x) for x in cosine + rel):
         return Check(
             "hidden states",
@@ -267,6 +274,13 @@ def check_hidden_states(target: Target | None, store: str | Path | None, samples
             f"{per_layer} ({where}): the served target computes different hidden states than the ones the drafter "
             "was trained on. Likely causes: another quantisation or dequantisation path, another checkpoint, another "
             "backend, or another dtype; extract the training states from the target as it is served",
+        )
+    if max(rel) > floor and other_engine:
+        return Check(
+            "hidden states",
+            "PASS",
+            f"{per_layer} ({where}): agree within the differences between two engines' kernels; serve with the "
+            f"engine that extracted them ({made_by['name']}) for the acceptance measured in training",
         )
     if max(rel) > floor:
         return Check(
