@@ -224,13 +224,13 @@ def status(
     run_dir: Annotated[Path, typer.Argument(help="the RUN_DIR of `draftsmith run` or `draftsmith demo`")],
 ) -> None:
     """Print a run's plan: each stage's state, times and output fingerprint."""
-    from draftsmith.pipeline import status_table
+    from draftsmith.run_status import status_table
 
     Console().print(status_table(run_dir))
 
 
 def _print_run(run_dir: Path) -> None:
-    from draftsmith.pipeline import status_table
+    from draftsmith.run_status import status_table
 
     Console().print(status_table(run_dir))
     Console().print((run_dir / "report.md").read_text(), markup=False, highlight=False)

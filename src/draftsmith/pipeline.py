@@ -2,13 +2,19 @@
 
 A pipeline file (YAML) holds the settings of every stage and named `profiles` that override them (`cpu-demo`,
 `cpu-full`, `gpu-1x`, `gpu-8x`): porting a run from a laptop to a rented 8-GPU machine is a change of profile.
-`--set train.lr=1e-3` overrides one value. Stages write into RUN_DIR/<stage>.
+`--set train.lr=1e-3` overrides one value. Stages write into RUN_DIR/<stage>: data, extract, vocab, train, eval,
+and, when listed in `stages`, export (a vLLM/SGLang directory), doctor (its checks) and bench (our server under
+load, with and without the drafter).
 
-`RUN_DIR/status.json` records, per stage: pending / in_progress / completed / failed, start and end times, a key
-(the hash of the stage's settings and of every upstream key) and the fingerprints of its outputs. A re-run skips
-completed stages whose key is unchanged, resumes an interrupted one in place (every stage resumes by itself: the
-regeneration, the extract shards, the training checkpoints), and re-runs from scratch a stage whose settings or
-inputs changed, and everything downstream of it.
+`RUN_DIR/status.json` (see run_status.py) records, per stage: pending / in_progress / completed / failed, start and
+end times, a key (the hash of the stage's settings and of every upstream key), and its inputs and outputs with
+content fingerprints. A re-run skips completed stages whose key and input fingerprints are unchanged, resumes an
+interrupted one in place (every stage resumes by itself: the regeneration, the extract shards, the training
+checkpoints), and re-runs from scratch a stage whose settings or inputs changed, and everything downstream of it.
+
+The pipeline is one process. With `nproc_per_node: N` the train stage alone runs as N processes under torchrun
+(`python -m torch.distributed.run ... -m draftsmith.launch RUN_DIR`), DDP or, with `train.fsdp`, FSDP; its
+checkpoints resume with any N, so a crashed 8-GPU run can finish on 4.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime
 from importlib import resources
@@ -25,20 +33,22 @@ from typing import Any, Literal
 
 import torch
 import yaml
-from pydantic import Field
+from pydantic import Field, field_validator
 from rich.console import Console
-from rich.table import Table
 
 from draftsmith import stages as run_stage
 from draftsmith.config import EvalConfig, StageConfig
 from draftsmith.errors import ConfigError, DataError, DraftsmithError
+from draftsmith.run_report import write_run_report
+from draftsmith.run_status import Status, file_fingerprint, stage_fingerprint
 from draftsmith.target import Target, load_target
 from draftsmith.train.trainer import TrainConfig
 from draftsmith.util import write_atomic
 
-StageName = Literal["data", "extract", "vocab", "train", "eval"]
-STAGES: tuple[StageName, ...] = ("data", "extract", "vocab", "train", "eval")
-STATUS_FILE = "status.json"
+StageName = Literal["data", "extract", "vocab", "train", "eval", "export", "doctor", "bench"]
+STAGES: tuple[StageName, ...] = ("data", "extract", "vocab", "train", "eval", "export", "doctor", "bench")
+DEFAULT_STAGES: tuple[StageName, ...] = STAGES[:5]  # export, doctor and bench run when a pipeline lists them
+EXECUTION_ONLY = {"train": {"fsdp"}}  # settings that change how a stage runs, never its result: not in its key
 console = Console(stderr=True, soft_wrap=True)
 
 
@@ -53,12 +63,24 @@ class PipelineConfig(StageConfig):
     dtype: str = "float32"
     threads: int | None = Field(default=None, ge=1)  # torch CPU threads; None = torch's default
     data_dir: str | None = None  # folder of the benchmark prompt files; `$VARS` are expanded
-    stages: list[StageName] = list(STAGES)
+    nproc_per_node: int = Field(default=1, ge=1)  # train stage processes (torchrun); the rest is one process
+    stages: list[StageName] = list(DEFAULT_STAGES)
     data: run_stage.DataConfig = run_stage.DataConfig()
     extract: run_stage.ExtractConfig = run_stage.ExtractConfig()
     vocab: run_stage.VocabConfig = run_stage.VocabConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalStage = EvalStage(dataset="mt_bench")
+    export: run_stage.ExportConfig = run_stage.ExportConfig()
+    doctor: run_stage.DoctorConfig = run_stage.DoctorConfig()
+    bench: run_stage.BenchStageConfig = run_stage.BenchStageConfig()
+
+    @field_validator("stages")
+    @classmethod
+    def _in_order(cls, stages: list[str]) -> list[str]:
+        """Each stage reads the one before it: a plan lists stages once, in the order of the data flow."""
+        if [s for s in STAGES if s in stages] != stages:
+            raise ValueError(f"list each stage once, in the order {', '.join(STAGES)}")
+        return stages
 
 
 def shipped_pipelines() -> list[str]:
@@ -120,34 +142,6 @@ def _nested(keys: list[str], value: Any) -> dict:
     return {keys[0]: value} if len(keys) == 1 else {keys[0]: _nested(keys[1:], value)}
 
 
-class Status:
-    """RUN_DIR/status.json, rewritten atomically on every change."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / STATUS_FILE
-        self.stages: dict[str, dict[str, Any]] = {}
-        if self.path.exists():
-            self.stages = json.loads(self.path.read_text()).get("stages", {})
-
-    def update(self, stage: str, **fields: Any) -> None:
-        self.stages.setdefault(stage, {}).update(fields)
-        write_atomic(self.path, json.dumps({"stages": self.stages}, indent=2) + "\n")
-
-
-def _key(stage: str, settings: dict, upstream: str) -> str:
-    blob = json.dumps({"stage": stage, "settings": settings, "upstream": upstream}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _fingerprint(directory: Path) -> str | None:
-    """A hash of what a stage wrote: its manifest, report or latest checkpoint name (small files that change
-    whenever the stage's output does)."""
-    for name in ("manifest.json", "report.json", "latest"):
-        if (directory / name).is_file():
-            return hashlib.sha256((directory / name).read_bytes()).hexdigest()[:16]
-    return None
-
-
 class Runner:
     def __init__(self, cfg: PipelineConfig, run_dir: Path, resume_command: str) -> None:
         self.cfg, self.run_dir, self.resume_command = cfg, run_dir, resume_command
@@ -162,7 +156,33 @@ class Runner:
 
     def settings(self, stage: StageName) -> dict:
         shared = {"target": self.cfg.target, "dtype": self.cfg.dtype}
-        return shared | getattr(self.cfg, stage).model_dump(mode="json")
+        return shared | getattr(self.cfg, stage).model_dump(mode="json", exclude=EXECUTION_ONLY.get(stage, set()))
+
+    def inputs(self, stage: StageName) -> dict[str, Path]:
+        """What the stage reads, by name: upstream stage directories (and, for data, the source files)."""
+        d = self.run_dir
+        if stage == "data":
+            cfg = self.cfg.data
+            return {s: Path(s) for s in (os.path.expandvars(x) for x in cfg.sources + cfg.optional_sources)}
+        drafter = "export" if "export" in self.cfg.stages else "train"
+        return {
+            "extract": {"data": d / "data"},
+            "vocab": {"extract": d / "extract"},
+            "train": {"extract": d / "extract", "vocab": d / "vocab"},
+            "eval": {"train": d / "train"},
+            "export": {"train": d / "train", "extract": d / "extract", "eval": d / "eval"},
+            "doctor": {drafter: d / drafter, "extract": d / "extract"},
+            "bench": {drafter: d / drafter},
+        }[stage]
+
+    def fingerprints(self, stage: StageName) -> dict[str, dict[str, str | None]]:
+        return {
+            name: {
+                "path": str(path),
+                "fingerprint": file_fingerprint(path) if stage == "data" else stage_fingerprint(name, path),
+            }
+            for name, path in self.inputs(stage).items()
+        }
 
     def run(self) -> dict[str, Any]:
         if self.cfg.threads:
@@ -174,16 +194,21 @@ class Runner:
             key = _key(stage, self.settings(stage), upstream)
             entry = status.stages.get(stage, {})
             out = self.run_dir / stage
+            inputs = self.fingerprints(stage)
             if entry.get("state") == "completed" and entry.get("key") == key:
-                console.print(f"[dim]{stage}: completed earlier ({entry['seconds']:.0f}s), skipped[/]")
-                upstream = key
-                continue
-            if entry.get("key") not in (None, key) and out.exists():
+                changed = [n for n, i in inputs.items() if _recorded(entry, n) not in (i["fingerprint"], "unknown")]
+                if not changed:
+                    console.print(f"[dim]{stage}: completed earlier ({entry['seconds']:.0f}s), skipped[/]")
+                    upstream = key
+                    continue
+                console.print(f"[yellow]{stage}: {', '.join(changed)} changed since it ran; starting it over[/]")
+                shutil.rmtree(out, ignore_errors=True)
+            elif entry.get("key") not in (None, key) and out.exists():
                 console.print(f"[yellow]{stage}: settings or inputs changed since the last run; starting it over[/]")
                 shutil.rmtree(out)
             console.rule(f"[bold]{stage}")
             start = time.time()
-            status.update(stage, state="in_progress", key=key, started=_now(), ended=None, error=None)
+            status.update(stage, state="in_progress", key=key, started=_now(), ended=None, error=None, inputs=inputs)
             try:
                 getattr(self, f"_{stage}")(out)
             except DraftsmithError as exc:
@@ -196,9 +221,11 @@ class Runner:
                 status.update(stage, state="failed", ended=_now(), error=f"{type(exc).__name__}: {exc}")
                 raise
             seconds = time.time() - start
+            fingerprint = stage_fingerprint(stage, out)
             status.update(
-                stage, state="completed", ended=_now(), seconds=seconds, output=str(out), fingerprint=_fingerprint(out)
-            )
+                stage, state="completed", ended=_now(), seconds=seconds, output=str(out), fingerprint=fingerprint,
+                outputs={stage: {"path": str(out), "fingerprint": fingerprint}},
+            )  # fmt: skip
             console.print(f"[green]{stage}: done in {seconds:.0f}s[/]")
             upstream = key
         return status.stages
@@ -215,25 +242,77 @@ class Runner:
         run_stage.vocab(self.cfg.vocab, self.run_dir / "extract", out)
 
     def _train(self, out: Path) -> None:
-        run_stage.train(self.cfg.train, self.run_dir / "extract", self.run_dir / "vocab", out, self.target)
+        n = self.cfg.nproc_per_node
+        if n == 1:
+            run_stage.train(self.cfg.train, self.run_dir / "extract", self.run_dir / "vocab", out, self.target)
+            return
+        # N processes under torchrun, each running `draftsmith.launch` (the same stages.train, on pipeline.json).
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+               "-m", "draftsmith.launch", "train", str(self.run_dir)]  # fmt: skip
+        console.print(f"train: {n} processes: {' '.join(cmd)}", highlight=False)
+        code = subprocess.run(cmd, check=False).returncode
+        if code != 0:
+            raise DraftsmithError(
+                f"the {n} training processes exited with code {code}",
+                hint="see their output above (the first traceback is the cause)",
+            )
 
     def _eval(self, out: Path) -> None:
-        from draftsmith.data.sources import load_eval_prompts
-
         cfg = self.cfg.eval
-        dataset = cfg.dataset
-        if cfg.fallback_dataset:
-            try:
-                load_eval_prompts(dataset, self.data_dir, limit=1)
-            except DataError as exc:  # a fresh machine without the data folder or internet still gets a result
-                console.print(f"[yellow]{dataset} is not available ({exc.message}); using {cfg.fallback_dataset}[/]")
-                dataset = cfg.fallback_dataset
         update = dict(
             target=self.cfg.target, dtype=self.cfg.dtype, drafter=str(self.run_dir / "train"), out=out,
-            data_dir=self.data_dir, dataset=dataset,
+            data_dir=self.data_dir, dataset=self.eval_dataset(),
         )  # fmt: skip
         eval_cfg = EvalConfig(**(cfg.model_dump(exclude={"fallback_dataset"}) | update))
         run_stage.evaluate(eval_cfg, self.target)
+
+    def eval_dataset(self) -> str:
+        """The eval dataset, or its fallback where it is not available (a fresh machine without the data folder)."""
+        from draftsmith.data.sources import load_eval_prompts
+
+        cfg = self.cfg.eval
+        if cfg.fallback_dataset:
+            try:
+                load_eval_prompts(cfg.dataset, self.data_dir, limit=1)
+            except DataError as exc:
+                console.print(
+                    f"[yellow]{cfg.dataset} is not available ({exc.message}); using {cfg.fallback_dataset}[/]"
+                )
+                return cfg.fallback_dataset
+        return cfg.dataset
+
+    def _export(self, out: Path) -> None:
+        d = self.run_dir
+        store = d / "extract" if (d / "extract" / "manifest.json").is_file() else None
+        report = d / "eval" / "report.json" if (d / "eval" / "report.json").is_file() else None
+        run_stage.export(self.cfg.export, d / "train", out, store, report)
+
+    def drafter_dir(self) -> Path:
+        """The drafter the shipping stages check and serve: the export when the plan has one, else the checkpoint."""
+        return self.run_dir / ("export" if "export" in self.cfg.stages else "train")
+
+    def _doctor(self, out: Path) -> None:
+        store = self.run_dir / "extract"
+        run_stage.doctor(self.cfg.doctor, self.drafter_dir(), out, self.target, store if store.is_dir() else None)
+
+    def _bench(self, out: Path) -> None:
+        cfg = self.cfg.bench
+        run_stage.bench(
+            cfg, self.cfg.target, self.cfg.dtype, self.drafter_dir(), out, cfg.prompts or self.eval_dataset(),
+            self.data_dir, self.cfg.threads,
+        )  # fmt: skip
+
+
+def _key(stage: str, settings: dict, upstream: str) -> str:
+    blob = json.dumps({"stage": stage, "settings": settings, "upstream": upstream}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _recorded(entry: dict, name: str) -> str | None:
+    """The fingerprint an earlier run recorded for input `name`; "unknown" for a status file without inputs."""
+    if "inputs" not in entry:
+        return "unknown"
+    return (entry["inputs"].get(name) or {}).get("fingerprint")
 
 
 def _now() -> str:
@@ -243,6 +322,11 @@ def _now() -> str:
 def run_pipeline(
     name_or_path: str, run_dir: Path, profile: str | None = None, sets: list[str] = (), resume_command: str = ""
 ) -> dict[str, Any]:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "draftsmith run is one process, but it was started by torchrun (WORLD_SIZE is set)",
+            hint="run it without torchrun and set nproc_per_node: N; the train stage starts its N processes itself",
+        )
     cfg = load_pipeline(name_or_path, profile, sets)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "pipeline.json", cfg.model_dump_json(indent=2) + "\n")
@@ -250,73 +334,3 @@ def run_pipeline(
     report = write_run_report(run_dir, cfg, stage_status)
     console.print(f"wrote {report}")
     return stage_status
-
-
-def status_table(run_dir: Path) -> Table:
-    status = Status(run_dir)
-    if not status.path.exists():
-        raise ConfigError(f"{run_dir} has no {STATUS_FILE}", hint="pass the RUN_DIR of a `draftsmith run`")
-    table = Table(title=f"pipeline {run_dir}")
-    for column in ("stage", "state", "started", "ended", "seconds", "fingerprint"):
-        table.add_column(column)
-    for stage, entry in status.stages.items():
-        seconds = entry.get("seconds")
-        table.add_row(
-            stage, entry.get("state", "pending"), entry.get("started") or "", entry.get("ended") or "",
-            f"{seconds:.0f}" if seconds is not None else "", entry.get("fingerprint") or entry.get("error") or "",
-        )  # fmt: skip
-    return table
-
-
-def write_run_report(run_dir: Path, cfg: PipelineConfig, stage_status: dict[str, Any]) -> Path:
-    """RUN_DIR/report.md: how long each stage took, the evaluation of every drafter, and the plots."""
-    lines = [f"# draftsmith run: {cfg.target}", "", "| stage | seconds |", "| --- | ---: |"]
-    lines += [f"| {s} | {e.get('seconds', 0):.0f} |" for s, e in stage_status.items() if e.get("state") == "completed"]
-    total = sum(e.get("seconds", 0) for e in stage_status.values())
-    lines += [f"| **total** | {total:.0f} |", ""]
-    reports = _eval_reports(run_dir / "eval")
-    if reports:
-        first = reports[0]
-        lines += [
-            f"Evaluation on `{first['dataset']}`: {first['prompts']} prompts, {first['max_new_tokens']} new tokens, "
-            f"T={first['temperature']}; baseline `model.generate` {first['baseline_tokens_per_s']:.1f} tokens/s.",
-            "",
-            "| drafter | acceptance length | speedup | tokens/s | mismatches |",
-            "| --- | ---: | ---: | ---: | ---: |",
-        ]
-        lines += [
-            f"| {r['drafter']} | {r['acceptance_length']:.2f} | {r['speedup']:.2f}x | {r['spec_tokens_per_s']:.1f} | "
-            f"{r['mismatches']} |"
-            for r in reports
-        ]
-        plot = _plot_acceptance(reports, run_dir / "eval" / "acceptance.png")
-        lines += ["", f"![acceptance by draft position]({plot.relative_to(run_dir)})"]
-    if (run_dir / "train" / "curves.png").is_file():
-        lines += ["", "![training curves](train/curves.png)"]
-    write_atomic(run_dir / "report.md", "\n".join(lines) + "\n")
-    return run_dir / "report.md"
-
-
-def _eval_reports(eval_dir: Path) -> list[dict]:
-    files = [eval_dir / "report.json", *sorted(eval_dir.glob("*/report.json"))]
-    return [json.loads(f.read_text()) for f in files if f.is_file()]
-
-
-def _plot_acceptance(reports: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for r in reports:
-        rates = r["acceptance_by_position"]
-        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{r['drafter']} (τ={r['acceptance_length']:.2f})")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("P(accepted | proposed)")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

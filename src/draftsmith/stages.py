@@ -174,3 +174,118 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
 
 def _safe_name(spec: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
+
+
+# --------------------------------------------------------------------------------------------- shipping stages
+
+
+class ExportConfig(StageConfig):
+    format: Literal["speculators", "sglang", "eagle"] = "speculators"  # speculators/eagle: vLLM; sglang: SGLang
+    verifier: str | None = None  # the target as the engine loads it (default: hub id of a built-in, else its path)
+    speculative_tokens: int | None = Field(default=None, ge=1)  # default: the TTT depth it was trained with
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class DoctorConfig(StageConfig):
+    samples: int = Field(default=4, ge=1)  # stored samples whose hidden states are recomputed
+    prompts: int = Field(default=4, ge=1)  # prompts of the acceptance smoke test
+    max_new_tokens: int = Field(default=32, ge=1)
+    strict: bool = True  # a FAIL fails the stage, so a broken drafter is never benchmarked or shipped
+
+
+class BenchStageConfig(StageConfig):
+    prompts: str | None = None  # a dataset name or file; default: the one the eval stage used
+    concurrency: list[int] = Field(default=[1, 4], min_length=1)
+    num_prompts: int = Field(default=16, ge=1)  # requests per level
+    max_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    endpoint: Literal["chat", "completions"] = "chat"
+    num_draft_tokens: int = Field(default=7, ge=1, le=64)
+    max_active: int = Field(default=4, ge=1)  # requests the server decodes at once
+    baseline: bool = True  # also bench the target without a drafter, and report drafter / baseline
+    seed: int = 0
+
+
+def export(cfg: ExportConfig, checkpoint: Path, out: Path, store: Path | None, report: Path | None) -> Path:
+    """`draftsmith export`: the trained drafter as a directory vLLM or SGLang loads, with its model card."""
+    from draftsmith.formats.export import export as run_export
+
+    return run_export(
+        checkpoint, out, cfg.format, verifier=cfg.verifier, store=store, report=report,
+        speculative_tokens=cfg.speculative_tokens, dtype=cfg.dtype,
+    )  # fmt: skip
+
+
+def doctor(cfg: DoctorConfig, drafter: Path, out: Path, target: Target, store: Path | None) -> list:
+    """`draftsmith doctor` on `drafter` against `target`; writes `out/report.json` and `out/report.md`."""
+    import json
+    from dataclasses import asdict
+
+    from rich.console import Console
+
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.formats.doctor import diagnose, print_checks
+    from draftsmith.util import write_atomic
+
+    checks = diagnose(drafter, target, store, samples=cfg.samples, prompts=cfg.prompts,
+                      max_new_tokens=cfg.max_new_tokens)  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"drafter": str(drafter), "target": target.name, "store": str(store) if store else None,
+              "checks": [asdict(c) for c in checks]}  # fmt: skip
+    write_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
+    lines = [f"# draftsmith doctor {drafter}", "", "| check | status | detail |", "| --- | --- | --- |"]
+    lines += [f"| {c.name} | {c.status} | {c.detail.replace('|', '/')} |" for c in checks]
+    write_atomic(out / "report.md", "\n".join(lines) + "\n")
+    print_checks(checks, f"draftsmith doctor {drafter} (target {target.name})", Console(stderr=True))
+    failed = [c for c in checks if c.status == "FAIL"]
+    if failed and cfg.strict:
+        raise DraftsmithError(
+            f"{len(failed)} doctor check(s) failed, first {failed[0].name}: {failed[0].detail}",
+            hint=f"see {out / 'report.md'}; set doctor.strict=false to go on regardless",
+        )
+    return checks
+
+
+def bench(
+    cfg: BenchStageConfig,
+    target: str,
+    dtype: str,
+    drafter: Path,
+    out: Path,
+    prompts: str,
+    data_dir: Path | None,
+    threads: int | None,
+) -> dict:
+    """Start our server (`draftsmith serve`) with `drafter`, load it with `draftsmith bench`, and with `baseline`
+    do the same without a drafter; the servers run one after the other, so they never compete for the machine.
+    Writes `out/result.json` (drafter), `out/baseline/result.json` and `out/compare.json` (drafter / baseline)."""
+    import json
+
+    from rich.console import Console
+
+    from draftsmith.bench import bench as run_bench
+    from draftsmith.bench.compare import compare
+    from draftsmith.bench.run import BenchConfig
+    from draftsmith.serve.process import ServerProcess
+    from draftsmith.util import write_atomic
+
+    log = Console(stderr=True, soft_wrap=True).print
+    common = ["--target", target, "--dtype", dtype, "--num-draft-tokens", str(cfg.num_draft_tokens),
+              "--max-active", str(cfg.max_active), *(["--threads", str(threads)] if threads else [])]  # fmt: skip
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+    runs = [("drafter", str(drafter), out)] + ([("baseline", "none", out / "baseline")] if cfg.baseline else [])
+    results = {}
+    for name, spec, where in runs:
+        where.mkdir(parents=True, exist_ok=True)
+        log(f"bench: starting `draftsmith serve --drafter {spec}` ({name})")
+        with ServerProcess([*common, "--drafter", spec], log=where / "server.log", env=env) as server:
+            bench_cfg = BenchConfig(
+                url=server.url, concurrency=cfg.concurrency, prompts=prompts, data_dir=data_dir,
+                num_prompts=cfg.num_prompts, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                endpoint=cfg.endpoint, seed=cfg.seed, out=where,
+            )  # fmt: skip
+            results[name] = run_bench(bench_cfg, log=log)
+    if cfg.baseline:
+        rows = compare(results["baseline"], results["drafter"])
+        write_atomic(out / "compare.json", json.dumps({"a": "baseline", "b": "drafter", "rows": rows}, indent=2))
+    return results

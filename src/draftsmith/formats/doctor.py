@@ -244,7 +244,9 @@ def check_hidden_states(target: Target | None, store: str | Path | None, samples
         stored = item["aux_hidden"][:max_tokens].double().view(len(input_ids), len(ids), h)
         fresh = target.forward(input_ids, target.new_cache(), layer_ids=ids).aux_hidden
         fresh = fresh.double().cpu().view(len(input_ids), len(ids), h)
-        cos_sum += torch.nn.functional.cosine_similarity(fresh, stored, dim=-1).sum(0)
+        cos = torch.nn.functional.cosine_similarity(fresh, stored, dim=-1)
+        zero = (fresh.abs().amax(-1) == 0) & (stored.abs().amax(-1) == 0)  # e.g. a padding token's embedding row
+        cos_sum += torch.where(zero, torch.ones_like(cos), cos).sum(0)
         err_sq += (fresh - stored).pow(2).sum((0, 2))
         ref_sq += stored.pow(2).sum((0, 2))
         tokens += len(input_ids)
