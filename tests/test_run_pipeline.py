@@ -129,3 +129,36 @@ def test_plan_errors(tmp_path, monkeypatch):
     result = run(pipeline_file, "--out", tmp_path / "v", "--set", "extract.backend=vllm")
     assert result.exit_code == 2 and "stage extract failed: the vllm backend needs the vllm package" in result.output
     assert "pip install vllm" in result.output
+
+
+def test_extract_prints_its_size_and_refuses_to_start_without_the_disk_space(tmp_path, monkeypatch):
+    """Before extraction: the estimate (bytes per token x tokens); after: what was written. With too little free
+    space the extract stage fails before writing anything and says how much it needs."""
+    import shutil
+    from collections import namedtuple
+
+    pipeline_file, run_dir = _tiny_pipeline(tmp_path), tmp_path / "run"
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: namedtuple("usage", "total used free")(10**12, 0, 2000))
+    result = run(pipeline_file, "--out", run_dir)
+    assert result.exit_code == 2
+    need = re.search(
+        r"stage extract failed: extract needs about ([\d.]+) kB for (\d+) tokens but .* has only 2.0 kB", result.output
+    )
+    assert need and "bigger disk" in result.output, result.output
+    assert (
+        not list((run_dir / "extract").glob("shard-*"))
+        and json.loads((run_dir / "status.json").read_text())["stages"]["extract"]["state"] == "failed"
+    )
+
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    result = run(pipeline_file, "--out", run_dir)
+    assert result.exit_code == 0, result.output
+    per_token = (3 * 32 + 32) * 4 + 5  # float32 aux (3 layers) + last hidden state, int32 id, uint8 mask
+    tokens = int(need.group(2))
+    assert f"extract: 6 samples, {tokens} tokens, {per_token} bytes/token -> about" in result.output
+    assert float(need.group(1)) == pytest.approx(tokens * per_token / 1e3, abs=0.05)
+    actual = re.search(
+        rf"extract: stored 6 samples, {tokens} tokens in 2 shards, .* \(([\d.]+) bytes/token\)", result.output
+    )
+    assert actual and per_token <= float(actual.group(1)) < 1.5 * per_token  # + safetensors headers and offsets
