@@ -1,6 +1,7 @@
 """The `draftsmith` command: parse options, call the stage function, print. Nothing here asks questions."""
 
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -170,8 +171,11 @@ def train(
     fresh: Annotated[bool, typer.Option(help="start over instead of resuming from OUT/latest")] = False,
     online: Annotated[bool, typer.Option(help="compute the target's features on the fly from a data dir")] = False,
     layers: Annotated[str | None, typer.Option(help="--online: aux layer ids (default 2, N//2, N-3)")] = None,
+    fsdp: Annotated[bool, typer.Option(help="under torchrun: shard the drafter over the processes (FSDP), not DDP")] = (
+        False
+    ),
 ) -> None:
-    """Train an EAGLE-3 drafter with the training-time test on an extract store (resumes by default; torchrun: DDP)."""
+    """Train an EAGLE-3 drafter with the training-time test (resumes by default; torchrun: DDP, or FSDP with --fsdp)."""
     skip = {"store", "vocab_dir", "out", "target", "algo", "fresh", "online", "layers", "skip"}
     options = {k: v for k, v in locals().items() if k not in skip}
     from draftsmith.stages import train as run_train
@@ -183,7 +187,8 @@ def train(
     result = run_train(
         cfg, store, vocab_dir, out, load_target(target), algo=algo, fresh=fresh, online=online, layers=layer_ids
     )
-    console.print(f"trained {result.steps} steps; checkpoint {result.checkpoint}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one line for the run, not one per process
+        console.print(f"trained {result.steps} steps; checkpoint {result.checkpoint}")
 
 
 @app.command()
