@@ -331,6 +331,7 @@ class Eagle3Drafter:
         self.cache = KVCache()
         self.last_chain = None
         self.fused = torch.empty(0, self.model.config.hidden_size, device=self.device, dtype=self.model.fc.weight.dtype)
+        self.pending: list[torch.Tensor] = []  # target features not yet fused: fc runs once over all of them
         self.context = 0  # context positions in the cache
         self.hidden: torch.Tensor | None = None  # (1, 1, H) output hidden of the last context position
         self.logits: torch.Tensor | None = None  # (Vd,) its draft logits
@@ -338,15 +339,23 @@ class Eagle3Drafter:
             self._append(features)
 
     def _append(self, features: torch.Tensor) -> None:
-        fused = self.model.fuse(features.to(self.device, self.fused.dtype))
-        self.fused = torch.cat([self.fused, fused])
+        self.pending.append(features)
+
+    def _fuse_pending(self) -> None:
+        if self.pending:
+            features = torch.cat(self.pending).to(self.device, self.fused.dtype)
+            self.fused = torch.cat([self.fused, self.model.fuse(features)])
+            self.pending = []
 
     @torch.inference_mode()
     def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator) -> Draft:
         """`tokens` extends the tokens of the previous call; runs new context positions, then drafts a chain."""
         model = self.model
+        if max_tokens < 1 or self.budget.resting():
+            return Draft.empty()
+        self._fuse_pending()
         ready = min(len(self.fused), len(tokens) - 1)  # positions whose (feature, next token) pair is known
-        if max_tokens < 1 or ready < 1:
+        if ready < 1:
             return Draft.empty()
         self.cache.crop(self.context)
         if ready > self.context:
@@ -371,10 +380,11 @@ class Eagle3Drafter:
                 hidden, out_logits = model(embeds, hidden, position, self.cache)
                 logits = out_logits[0, -1]
         reach = reach[1 : len(drafted) + 1]
-        if not drafted:
-            return Draft.empty()
-        self.last_chain = (len(tokens), torch.stack(drafted).tolist(), reach)
-        if not self.budget.pays(sum(reach), len(drafted)):
+        paid = bool(drafted) and self.budget.pays(sum(reach), len(drafted))
+        self.budget.settle(paid)
+        if drafted:
+            self.last_chain = (len(tokens), torch.stack(drafted).tolist(), reach)
+        if not paid:
             return Draft.empty()
         probs = torch.stack(dists).cpu() if temperature > 0 else None
         return Draft(torch.stack(drafted).cpu(), probs)
