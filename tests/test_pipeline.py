@@ -24,7 +24,7 @@ def test_every_shipped_profile_parses_and_resolves(name):
 
 def test_set_overrides_and_bad_profile():
     cfg = load_pipeline("eagle3", "cpu-demo", ["train.lr=0.005", "vocab.size=1000"])
-    assert cfg.train.lr == 0.005 and cfg.vocab.size == 1000 and cfg.train.ttt_steps == 4  # the profile still applies
+    assert cfg.train.lr == 0.005 and cfg.vocab.size == 1000 and cfg.train.ttt_steps == 3  # the profile still applies
     with pytest.raises(ConfigError, match="no profile"):
         load_pipeline("eagle3", "tpu-64x")
     with pytest.raises(ConfigError, match="train.nope"):
@@ -53,7 +53,7 @@ def _tiny_pipeline(tmp_path, steps=4):
         "vocab": {"size": 16},
         "train": {"max_steps": steps, "batch_size": 2, "ttt_steps": 3, "checkpoint_every": 2, "eval_every": 2,
                   "warmup_steps": 1},
-        "eval": {"dataset": str(convs), "limit": 2, "max_new_tokens": 12, "compare": ["ngram"]},
+        "eval": {"dataset": str(convs), "limit": 2, "max_new_tokens": 12, "compare": ["ngram"], "compare_limit": 1},
     }  # fmt: skip
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -70,7 +70,9 @@ def test_run_chains_the_stages_and_resumes_only_what_changed(tmp_path):
     eagle = json.loads((run_dir / "eval" / "report.json").read_text())
     ngram = json.loads((run_dir / "eval" / "ngram" / "report.json").read_text())
     assert eagle["mismatches"] == 0 and ngram["mismatches"] == 0
-    assert eagle["baseline_tokens_per_s"] == ngram["baseline_tokens_per_s"]  # one shared baseline
+    shared = eagle["per_prompt"][0]["baseline_seconds"]
+    assert ngram["per_prompt"][0]["baseline_seconds"] == shared  # one shared baseline run
+    assert eagle["prompts"] == 2 and ngram["prompts"] == 1  # eval.compare_limit
     report = (run_dir / "report.md").read_text()
     assert "| train |" in report and "acceptance.png" in report and (run_dir / "eval" / "acceptance.png").is_file()
 

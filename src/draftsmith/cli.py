@@ -53,6 +53,7 @@ def eval_cmd(
     num_draft_tokens: Annotated[int, typer.Option(help="most draft tokens verified per target forward")] = 7,
     draft_length: Annotated[str, typer.Option(help="EAGLE-3: adaptive (stop when not paying) | fixed")] = "adaptive",
     compare: Annotated[list[str], typer.Option(help="more drafters against the same baseline runs")] = [],  # noqa: B006
+    compare_limit: Annotated[int | None, typer.Option(help="run the --compare drafters on the first N only")] = None,
     seed: int = 0,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     out: Annotated[Path, typer.Option(help="where report.json and report.md go")] = Path("runs/eval"),

@@ -66,7 +66,9 @@ def evaluate_drafters(
     target: Target, drafters: Sequence[Drafter], dataset: str, prompts: list[Conversation], cfg: EvalConfig
 ) -> list[dict]:
     """One report per drafter, all against the same baseline runs: per prompt, the baseline and each drafter run
-    back to back in an order that rotates from prompt to prompt, so machine noise hits every contestant alike."""
+    back to back in an order that rotates from prompt to prompt, so machine noise hits every contestant alike.
+    Drafters after the first run on the first `cfg.compare_limit` prompts only (all when None), against the
+    baseline runs of those prompts."""
     encoded = [target.encode_chat(c.messages) for c in prompts]
     for conv, ids in zip(prompts, encoded, strict=True):
         target.check_fits(len(ids), cfg.max_new_tokens, where=f"prompt {conv.id!r} of {dataset}")
@@ -83,7 +85,7 @@ def evaluate_drafters(
         task = progress.add_task(f"eval {names} on {dataset}", total=len(prompts))
         for i, ids in enumerate(encoded):
             seed = cfg.seed + i
-            contestants = list(range(-1, len(decoders)))  # -1: the baseline
+            contestants = [-1, 0] + [c for c in range(1, len(decoders)) if i < _compared(cfg, len(prompts))]
             shift = i % len(contestants)
             for c in contestants[shift:] + contestants[:shift]:
                 if c < 0:
@@ -92,9 +94,20 @@ def evaluate_drafters(
                     specs[c].append(decoders[c].generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed))
             progress.advance(task)
     return [
-        _summarise(target, d, dataset, prompts, cfg, [(s, b, t) for s, (b, t) in zip(runs, baselines, strict=True)])
+        _summarise(
+            target,
+            d,
+            dataset,
+            prompts[: len(runs)],
+            cfg,
+            [(s, *b) for s, b in zip(runs, baselines[: len(runs)], strict=True)],
+        )  # fmt: skip
         for d, runs in zip(drafters, specs, strict=True)
     ]
+
+
+def _compared(cfg: EvalConfig, n: int) -> int:
+    return n if cfg.compare_limit is None else min(n, cfg.compare_limit)
 
 
 def _summarise(target, drafter, dataset, prompts, cfg: EvalConfig, runs) -> dict:
