@@ -14,10 +14,22 @@ from pathlib import Path
 from draftsmith.errors import DraftsmithError
 
 
+def die_with_parent() -> None:
+    """torchrun starts its workers in their own session, so killing a crashed pipeline's process group leaves them
+    running: a resumed run would then share its run directory with orphans still writing checkpoints. On Linux the
+    kernel kills this process as soon as its launcher dies."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "train":
         print("usage: python -m draftsmith.launch train RUN_DIR", file=sys.stderr)
         return 2
+    die_with_parent()
     from draftsmith import stages
     from draftsmith.pipeline import PipelineConfig
     from draftsmith.target import load_target
