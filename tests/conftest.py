@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random Llama targets built in memory, and one real SmolLM2 target per test run."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,24 @@ def shared_data() -> Path:
     if not SHARED_DATA.exists():
         pytest.skip(f"{SHARED_DATA} not found: the shared benchmark data sits beside the repo only in CI/dev")
     return SHARED_DATA
+
+
+def saved_tiny_model(directory: Path) -> str:
+    """tiny_target(0, vocab 96) written as an HF directory, for tests that go through the CLI."""
+    target = tiny_target(0, vocab_size=96)
+    target.model.save_pretrained(directory)
+    target.tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def tiny_conversations(path: Path, n: int) -> Path:
+    """n two-turn ShareGPT conversations in the tiny tokenizer's words."""
+    path.write_text(
+        "".join(
+            json.dumps({"id": f"c{i}", "conversations": [
+                {"from": "human", "value": f"t{20 + i} t{30 + i}"}, {"from": "gpt", "value": f"t{40 + i} t{50 + i} t5"},
+            ]}) + "\n"
+            for i in range(n)
+        )
+    )  # fmt: skip
+    return path

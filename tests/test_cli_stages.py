@@ -6,24 +6,13 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from draftsmith.cli import app
-from tests.conftest import tiny_target
+from tests.conftest import saved_tiny_model, tiny_conversations
 
 
 def test_data_extract_vocab_train_eval_chain(tmp_path):
-    target = tiny_target(0, vocab_size=96)
-    target.model.save_pretrained(tmp_path / "model")
-    target.tokenizer.save_pretrained(tmp_path / "model")
-    convs = tmp_path / "convs.jsonl"
-    convs.write_text(
-        "".join(
-            json.dumps({"id": f"c{i}", "conversations": [
-                {"from": "human", "value": f"t{20 + i} t{30 + i}"}, {"from": "gpt", "value": f"t{40 + i} t{50 + i} t5"},
-            ]}) + "\n"
-            for i in range(6)
-        )
-    )  # fmt: skip
+    model = saved_tiny_model(tmp_path / "model")
+    convs = tiny_conversations(tmp_path / "convs.jsonl", 6)
     run = CliRunner().invoke
-    model = str(tmp_path / "model")
     result = run(app, ["data", str(convs), "--out", str(tmp_path / "data")])
     assert result.exit_code == 0, result.output
     result = run(app, ["extract", str(tmp_path / "data"), "--target", model, "--out", str(tmp_path / "store"),

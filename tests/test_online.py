@@ -1,7 +1,5 @@
 """`train --online`: the target computes, on the fly, exactly the features `extract` would have stored."""
 
-import json
-
 import torch
 from typer.testing import CliRunner
 
@@ -9,24 +7,13 @@ from draftsmith.cli import app
 from draftsmith.online import OnlineFeatures
 from draftsmith.store import HiddenStateStore
 from draftsmith.target import load_target
-from tests.conftest import tiny_target
+from tests.conftest import saved_tiny_model, tiny_conversations
 
 
 def test_online_features_equal_the_store_and_train(tmp_path):
-    target = tiny_target(0, vocab_size=96)
-    target.model.save_pretrained(tmp_path / "model")
-    target.tokenizer.save_pretrained(tmp_path / "model")
-    convs = tmp_path / "convs.jsonl"
-    convs.write_text(
-        "".join(
-            json.dumps({"id": f"c{i}", "conversations": [
-                {"from": "human", "value": f"t{20 + i} t{30 + i}"}, {"from": "gpt", "value": f"t{40 + i} t{50 + i} t5"},
-            ]}) + "\n"
-            for i in range(4)
-        )
-    )  # fmt: skip
+    model = saved_tiny_model(tmp_path / "model")
+    convs = tiny_conversations(tmp_path / "convs.jsonl", 4)
     run = CliRunner().invoke
-    model = str(tmp_path / "model")
     assert run(app, ["data", str(convs), "--out", str(tmp_path / "data")]).exit_code == 0
     result = run(app, ["extract", str(tmp_path / "data"), "--target", model, "--out", str(tmp_path / "store"),
                        "--layers", "0,1,2", "--dtype", "float32"])  # fmt: skip

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from draftsmith.cli import app
 from draftsmith.errors import ConfigError
 from draftsmith.pipeline import load_pipeline, read_pipeline_file, shipped_pipelines
-from tests.conftest import tiny_target
+from tests.conftest import saved_tiny_model, tiny_conversations
 
 
 @pytest.mark.parametrize("name", shipped_pipelines())
@@ -34,18 +34,8 @@ def test_set_overrides_and_bad_profile():
 
 
 def _tiny_pipeline(tmp_path, steps=4):
-    target = tiny_target(0, vocab_size=96)
-    target.model.save_pretrained(tmp_path / "model")
-    target.tokenizer.save_pretrained(tmp_path / "model")
-    convs = tmp_path / "convs.jsonl"
-    convs.write_text(
-        "".join(
-            json.dumps({"id": f"c{i}", "conversations": [
-                {"from": "human", "value": f"t{20 + i} t{30 + i}"}, {"from": "gpt", "value": f"t{40 + i} t{50 + i} t5"},
-            ]}) + "\n"
-            for i in range(6)
-        )
-    )  # fmt: skip
+    saved_tiny_model(tmp_path / "model")
+    convs = tiny_conversations(tmp_path / "convs.jsonl", 6)
     spec = {
         "target": str(tmp_path / "model"),
         "data": {"sources": [str(convs)]},
