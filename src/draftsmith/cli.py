@@ -139,11 +139,11 @@ def vocab(
     out: Annotated[Path, typer.Option(help="where vocab.safetensors and vocab.json go")] = Path("runs/vocab"),
 ) -> None:
     """The draft vocabulary: the most frequent loss-masked target tokens, with d2t / t2d and coverage."""
-    from draftsmith.stages import VocabConfig, _is_data_dir
+    from draftsmith.stages import VocabConfig, is_data_dir
     from draftsmith.stages import vocab as run_vocab
     from draftsmith.target import load_target
 
-    tgt = load_target(target) if _is_data_dir(store) else None
+    tgt = load_target(target) if is_data_dir(store) else None
     result = run_vocab(VocabConfig.checked(size=size), store, out, tgt)
     console.print(f"wrote {out}: {size} tokens cover {result.coverage:.1%} of the training tokens")
 

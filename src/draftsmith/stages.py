@@ -97,7 +97,7 @@ def vocab(cfg: VocabConfig, source: Path, out: Path, target: Target | None = Non
     """From an extract store, or (for online training) from a data stage directory tokenised by `target`."""
     from draftsmith.vocab import vocab_from_store
 
-    return vocab_from_store(_features(source, target) if _is_data_dir(source) else source, cfg.size, out)
+    return vocab_from_store(_features(source, target) if is_data_dir(source) else source, cfg.size, out)
 
 
 def train(
@@ -119,9 +119,9 @@ def train(
 
     if algo != "eagle3":
         raise ConfigError(f"unknown --algo {algo!r}", hint="eagle3 is the algorithm available now")
-    if online != _is_data_dir(source):
+    if online != is_data_dir(source):
         raise ConfigError(
-            f"{source} is {'a data' if _is_data_dir(source) else 'not a data'} stage directory",
+            f"{source} is {'a data' if is_data_dir(source) else 'not a data'} stage directory",
             hint="train on an extract store, or pass a `draftsmith data` directory with --online",
         )
     dataset = _features(source, target, layers, cfg.max_length)
@@ -135,7 +135,7 @@ def train(
     return run_train(cfg, dataset, head, embed, draft_vocab.d2t, draft_vocab.t2d, model_config, out, resume=not fresh)
 
 
-def _is_data_dir(path: Path) -> bool:
+def is_data_dir(path: Path) -> bool:
     import json
 
     manifest = Path(path) / "manifest.json"
@@ -147,7 +147,7 @@ def _features(source: Path, target: Target | None, layers=None, max_length: int 
     from draftsmith.online import OnlineFeatures
     from draftsmith.store import HiddenStateStore
 
-    if not _is_data_dir(source):
+    if not is_data_dir(source):
         return HiddenStateStore(source)
     if target is None:
         raise ConfigError(f"{source} is a data directory: tokenising it needs the target", hint="pass --target")
