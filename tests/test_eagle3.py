@@ -11,10 +11,10 @@ from draftsmith.drafters.eagle3 import (
     Eagle3Config,
     Eagle3Drafter,
     Eagle3Model,
-    load_eagle3,
     save_checkpoint,
 )
 from draftsmith.errors import ConfigError, DraftsmithError
+from draftsmith.formats.load import load_drafter
 from draftsmith.train.losses import StepCache, ttt_forward
 from tests.conftest import tiny_target
 from tests.test_engine import reference
@@ -105,7 +105,7 @@ def test_checkpoint_round_trip(tmp_path):
     save_checkpoint(model, tmp_path / "checkpoints" / "step-000007")
     (tmp_path / "latest").write_text("checkpoints/step-000007\n")
     for path in (tmp_path / "checkpoints" / "step-000007", tmp_path):  # a checkpoint, or a run directory
-        drafter = load_eagle3(path, target)
+        drafter = load_drafter(path, target)
         assert drafter.aux_layer_ids == LAYERS
         loaded = drafter.model.state_dict()
         assert loaded.keys() == model.state_dict().keys()
@@ -118,9 +118,9 @@ def test_checkpoint_for_another_target_fails_before_loading(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | {"hidden_size": 64}))
     with pytest.raises(DraftsmithError, match="hidden size 64 != target 32"):
-        load_eagle3(tmp_path, target)
-    with pytest.raises(DraftsmithError, match="not an EAGLE-3 checkpoint"):
-        load_eagle3(tmp_path / "missing", target)
+        load_drafter(tmp_path, target)
+    with pytest.raises(DraftsmithError, match="config.json not found"):
+        load_drafter(tmp_path / "missing", target)
 
 
 def test_step_cache_is_the_block_mask_over_all_steps():

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model, load_eagle3
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model
 from draftsmith.errors import ConfigError, DataError
+from draftsmith.formats.load import load_drafter
 from draftsmith.train import TrainConfig, train
 from draftsmith.train import trainer as trainer_module
 from draftsmith.train.losses import ttt_forward, ttt_loss
@@ -108,7 +109,7 @@ def test_files_written_and_checkpoint_loads(tmp_path):
     assert result.checkpoint == tmp_path / "checkpoints" / "step-000005" and result.val["positions"] > 0
     assert {p.name for p in result.checkpoint.iterdir()} == {"model.safetensors", "config.json", "trainer_state.pt"}
     assert json.loads((result.checkpoint / "config.json").read_text())["draft_vocab_size"] == 64
-    drafter = load_eagle3(tmp_path, target)
+    drafter = load_drafter(tmp_path, target)
     assert drafter.aux_layer_ids == LAYERS
 
 
@@ -134,8 +135,8 @@ def test_resume_retraces_an_uninterrupted_run(tmp_path, monkeypatch):
     run(cfg, data, weights, config, tmp_path / "resumed")
 
     assert curve(tmp_path / "resumed") == curve(tmp_path / "whole")
-    whole = load_eagle3(tmp_path / "whole", tiny_target(0)).model.state_dict()
-    resumed = load_eagle3(tmp_path / "resumed", tiny_target(0)).model.state_dict()
+    whole = load_drafter(tmp_path / "whole", tiny_target(0)).model.state_dict()
+    resumed = load_drafter(tmp_path / "resumed", tiny_target(0)).model.state_dict()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, ValidationError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from draftsmith.drafters.base import Draft
@@ -480,24 +480,3 @@ def check_compatible(config: Eagle3Config, target: Target, where: str = "checkpo
             f"{where} reads layers {config.aux_layer_ids} but target {target.name} has {target.num_layers} layers",
             hint=f"this drafter was trained for {config.target or 'another target'}",
         )
-
-
-def load_eagle3(
-    path: str | Path, target: Target, name: str | None = None, budget: DraftBudget | None = None
-) -> Eagle3Drafter:
-    """Load a checkpoint (or a run directory's latest one) as a drafter for `target`, on the target's device."""
-    path = resolve_checkpoint(path)
-    config = read_config(path)
-    check_compatible(config, target, where=f"checkpoint {path}:")
-    model = Eagle3Model(config)
-    state = load_file(path / WEIGHTS_FILE)
-    state.update({k: target.model.get_input_embeddings().weight.detach() for k in FROZEN})
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:
-        raise DraftsmithError(
-            f"{path / WEIGHTS_FILE} does not match its {CONFIG_FILE}: {str(exc).splitlines()[0]}",
-            hint="the checkpoint is damaged; re-run `draftsmith train`",
-        ) from None
-    param = next(target.model.parameters())
-    return Eagle3Drafter(model.to(param.device, param.dtype), name or f"eagle3:{path}", budget)

@@ -16,7 +16,6 @@ from draftsmith.drafters.eagle3 import (
     Eagle3Drafter,
     Eagle3Model,
     check_compatible,
-    load_eagle3,
     read_config,
     resolve_checkpoint,
 )
@@ -51,8 +50,9 @@ def checkpoint_dir(path: str | Path) -> Path:
     return resolve_checkpoint(path) if detect_format(path) == "draftsmith" else Path(path)
 
 
-def read_drafter(path: str | Path, num_layers: int | None = None) -> Converted:
-    """Any supported directory as our config + state dict (our names), checked for completeness and shapes."""
+def read_drafter(path: str | Path, num_layers: int | None = None, target: Target | None = None) -> Converted:
+    """Any supported directory as our config + state dict (our names), checked for completeness and shapes, and
+    first, when `target` is given, for fitting that target (the clearer error when it was trained for another)."""
     fmt = detect_format(path)
     where = str(path)
     if fmt == "draftsmith":
@@ -65,6 +65,8 @@ def read_drafter(path: str | Path, num_layers: int | None = None) -> Converted:
         weights = load_weights(Path(path))
         reader = speculators.read if fmt == "speculators" else sglang.read
         converted = reader(raw, weights, num_layers, where)
+    if target is not None:
+        check_compatible(converted.config, target, where=f"{fmt} drafter {path}:")
     check_state(converted.state, converted.config, where)
     return converted
 
@@ -92,11 +94,8 @@ def build_model(converted: Converted, target: Target) -> Eagle3Model:
 def load_drafter(
     path: str | Path, target: Target, name: str | None = None, budget: DraftBudget | None = None
 ) -> Eagle3Drafter:
-    """`--drafter DIR`: our own checkpoints load as before; foreign layouts are converted on load."""
-    if detect_format(path) == "draftsmith":
-        return load_eagle3(path, target, name, budget)
-    converted = read_drafter(path, target.num_layers)
-    check_compatible(converted.config, target, where=f"{converted.fmt} drafter {path}:")
+    """`--drafter DIR`: our runs and checkpoints, and foreign layouts converted on load, on the target's device."""
+    converted = read_drafter(path, target.num_layers, target)
     with torch.no_grad():
         model = build_model(converted, target)
-    return Eagle3Drafter(model, name or f"eagle3:{path}", budget)
+    return Eagle3Drafter(model, name or f"eagle3:{checkpoint_dir(path)}", budget)
