@@ -157,8 +157,11 @@ def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
     return layers
 
 
-def load_target(name_or_path: str = "smollm2-135m", dtype: str = "float32", device: str = "cpu") -> Target:
-    """Load the built-in SmolLM2 target, a local HF directory, or a Hugging Face hub id."""
+def load_target(
+    name_or_path: str = "smollm2-135m", dtype: str = "float32", device: str = "cpu", packed: bool = True
+) -> Target:
+    """Load the built-in SmolLM2 target, a local HF directory, or a Hugging Face hub id. `packed`: oneDNN-packed
+    linear weights where they apply (float32 on CPU, see `packed.py`); False keeps plain `nn.Linear`."""
     if dtype not in DTYPES:
         raise TargetError(f"unknown dtype {dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
     torch_dtype = DTYPES[dtype]
@@ -173,7 +176,8 @@ def load_target(name_or_path: str = "smollm2-135m", dtype: str = "float32", devi
             "or a hub id (needs internet)",
         ) from None
     model = model.to(device)
-    pack_linears(model)  # float32 on CPU only; elsewhere a no-op
+    if packed:
+        pack_linears(model)  # float32 on CPU only; elsewhere a no-op
     return Target(name_or_path, model, tokenizer)
 
 

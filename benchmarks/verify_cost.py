@@ -1,0 +1,68 @@
+"""What a verify forward costs: target forward time by the number of new tokens, plain vs packed linear weights.
+
+The draft budget (`drafters/budget.py`) needs the cost of a forward over the last token + k drafts relative to a
+one-token forward (a plain decode step). On a CPU the target is memory-bound, so in theory k extra rows are nearly
+free; `F.linear` re-packing its weights for every multi-row call made them cost ~1.7x. `packed.py` packs them once.
+
+Both targets run interleaved, on a KV cache of `--context` tokens, each forward cropped off again; medians over
+`--reps` rounds. The script prints a measurement and always exits 0.
+
+    .venv/bin/python benchmarks/verify_cost.py [--context 200] [--reps 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from draftsmith.decode.cache import rollback
+from draftsmith.target import Target, load_target
+
+NEW_TOKENS = (1, 2, 3, 4, 6, 8, 16)
+
+
+def timed_forward(target: Target, cache, context: int, new: int) -> float:
+    ids = torch.randint(0, target.vocab_size, (new,))
+    start = time.perf_counter()
+    target.forward(ids, cache, (2, target.num_layers // 2, target.num_layers - 3))
+    seconds = time.perf_counter() - start
+    rollback(cache, context)
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--context", type=int, default=200, help="tokens already in the KV cache")
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    targets = {"plain": load_target(args.target, packed=False), "packed": load_target(args.target)}
+    prompt = torch.randint(0, targets["plain"].vocab_size, (args.context,))
+    caches = {}
+    for name, target in targets.items():
+        caches[name] = target.new_cache()
+        target.forward(prompt, caches[name], logits_to_keep=1)
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.reps):
+        for name, target in targets.items():
+            for new in NEW_TOKENS:
+                times.setdefault((name, new), []).append(timed_forward(target, caches[name], args.context, new))
+    median = {key: statistics.median(v) * 1e3 for key, v in times.items()}
+    print(f"target forward on a {args.context}-token cache, {args.threads} threads, median of {args.reps} interleaved")
+    print("new tokens | plain ms | packed ms | plain / its 1-token | packed / its 1-token | plain / packed")
+    for new in NEW_TOKENS:
+        p, q = median["plain", new], median["packed", new]
+        print(
+            f"{new:10d} | {p:8.1f} | {q:9.1f} | {p / median['plain', 1]:19.2f} | "
+            f"{q / median['packed', 1]:20.2f} | {p / q:14.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
