@@ -14,8 +14,8 @@ We capture the states with forward pre-hooks on the decoder layers, so nothing e
 from __future__ import annotations
 
 import hashlib
-import json
 import importlib.util
+import json
 import os
 import shutil
 import time
