@@ -1,9 +1,10 @@
 """Prompt-lookup (n-gram) drafting that proposes only when it is likely to pay.
 
 The draft is what followed the most recent earlier occurrence of the longest suffix n-gram of the context
-(prompt and generated text). Proposing is not free: on a CPU a forward over 2-8 tokens costs ~1.6x a forward
-over one, so a draft pays only if it is expected to gain more than `break_even` (= that cost ratio - 1) accepted
-tokens. On a GPU, where extra tokens are nearly free, set `break_even` near 0.
+(prompt and generated text). Proposing is not free: on a CPU a forward over a few tokens costs more than a forward
+over one (`DraftBudget.verify_cost`, ~1.15x with packed weights), so a draft pays only if it is expected to gain
+more than `break_even` (= that cost ratio - 1) accepted tokens. On a GPU, where extra tokens are nearly free, set
+`break_even` near 0.
 
 The drafter learns, per matched n-gram length, how many tokens a draft gains, and stays silent for lengths that
 do not pay. It scores every lookup, proposed or not, against the text the target then actually generates (a
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.drafters.base import Draft
+from draftsmith.drafters.budget import DraftBudget
 
 
 @dataclass
@@ -49,7 +51,7 @@ class NgramDrafter:
         self,
         min_ngram: int = 1,
         max_ngram: int = 4,
-        break_even: float = 0.6,
+        break_even: float = DraftBudget.verify_cost - 1,
         prior_weight: float = 2.0,
         decay: float = 0.95,
     ) -> None:
