@@ -1,10 +1,10 @@
 """Linear layers with their weights packed once for oneDNN, for float32 inference on CPU.
 
 Why: `F.linear` on CPU re-packs the weight matrix on every call that has more than one input row, and a target
-forward is memory-bound, so a verify forward over 2-8 tokens cost ~1.7x a one-token forward, and the drafter had to
-win back that whole difference. With the weights packed at load time a one-token forward is ~1.5x faster too
-(measured on 2 cores, the 30 layers and head of SmolLM2-135M). Every caller of the model gets the same layers, so
-`model.generate`, plain decoding and verification stay comparable, and what a speed-up measures is speculation.
+forward is memory-bound, so a verify forward over 2-8 tokens cost ~1.8-2x a one-token forward and the drafter had
+to win back that whole difference. Packed once at load, it costs ~1.1-1.4x (SmolLM2-135M, 2 cores, KV cache of 200:
+`benchmarks/verify_cost.py`); a one-token forward costs about the same either way. Every caller of the model gets the
+same layers, so `model.generate`, plain decoding and verification stay comparable, and a speed-up measures speculation.
 """
 
 import torch
