@@ -2,7 +2,8 @@
 
 The draft budget (`drafters/budget.py`) needs the cost of a forward over the last token + k drafts relative to a
 one-token forward (a plain decode step). On a CPU the target is memory-bound, so in theory k extra rows are nearly
-free; `F.linear` re-packing its weights for every multi-row call made them cost ~1.7x. `packed.py` packs them once.
+free; `F.linear` re-packing its weights for every multi-row call made them cost ~1.8-2x (measured here).
+`packed.py` packs them once.
 
 Both targets run interleaved, on a KV cache of `--context` tokens, each forward cropped off again; medians over
 `--reps` rounds. The script prints a measurement and always exits 0.

@@ -40,7 +40,7 @@ class PackedLinear(nn.Module):
         weight = self.weight
         key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)  # inference tensors: no version
         if self._packed is None or self._packed[0] != key:
-            self._packed = key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), BATCH_HINT)
+            self._packed = key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
         return self._packed[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 Cost model of one speculative round, in units of one plain decode step (a target forward over one token):
 
-    verify_cost      a forward over the last token + a one-token draft (CPU fp32, SmolLM2, packed weights: ~1.13)
+    verify_cost      a forward over the last token + a one-token draft (CPU fp32, SmolLM2, packed weights: 1.09-1.13)
     token_cost       each further draft token in that forward (~0.05), and `step_cost` for the drafter's own step
-                     that makes a token (~0.065: 4 ms against a 62 ms target step; 2 cores, see `packed.py`)
+                     that makes a token (~0.065: ~4 ms against a 62-73 ms target step; `benchmarks/verify_cost.py`)
 
 A chain whose i-th token is accepted with probability P_i (the product of the drafter's per-step confidences)
 yields 1 + sum(P_i) tokens. Drafting continues while the next token's P_i exceeds its own cost, and the chain is
