@@ -218,19 +218,3 @@ def test_adaptive_budget_is_lossless_and_rests_when_drafts_do_not_pay():
     rounds = out.target_forwards - 1
     assert sum(out.proposed[:1]) < rounds / 4  # few rounds carried a draft
     assert len(calls) < rounds / 2  # and most rounds never ran the drafter at all
-
-
-def test_budget_arithmetic():
-    from draftsmith.drafters.budget import DraftBudget
-
-    budget = DraftBudget(verify_cost=1.6, token_cost=0.1, step_cost=0.1)
-    assert budget.pays(expected=1.5, length=2) and not budget.pays(expected=0.9, length=2)
-    assert budget.continues(0.25) and not budget.continues(0.15)
-    budget.record(predicted=10.0, accepted=2)  # overconfident drafts: later confidences are scaled down
-    assert budget.reach(1.0, 0.9) < 0.9
-    budget.settle(paid=False)
-    assert [budget.resting() for _ in range(2)] == [True, False]
-    budget.settle(paid=False)
-    assert [budget.resting() for _ in range(3)] == [True, True, False]
-    fixed = DraftBudget.fixed()
-    assert fixed.pays(0.0, 7) and fixed.continues(0.0)

@@ -99,3 +99,26 @@ def test_cli_eval_end_to_end(smollm2, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["dataset"] == "builtin" and report["prompts"] == 2 and report["mismatches"] == 0
+
+
+def test_learned_drafter_reports_fixed_chain_next_to_adaptive(tmp_path, capsys):
+    """`eval` of a trained EAGLE-3 run measures, in one run against one baseline, the adaptive budget (the main
+    fields) and the same drafter with a fixed chain (`*_fixed`), both lossless; drafting deeper than the drafter
+    was trained warns once, before any work."""
+    from draftsmith.stages import evaluate as run_eval
+    from draftsmith.train import TrainConfig
+    from tests.test_train import run, setup
+
+    target, data, weights, config = setup(count=6)
+    run(TrainConfig(max_steps=4, batch_size=2, ttt_steps=2, val_fraction=0), data, weights, config, tmp_path / "run")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "t5 t9 t5 t9"}\n{"prompt": "t7 t8 t7"}\n')
+    cfg = EvalConfig(drafter=str(tmp_path / "run"), dataset=str(prompts), max_new_tokens=16, num_draft_tokens=3,
+                     out=tmp_path / "eval")  # fmt: skip
+    (report,) = run_eval(cfg, target)
+    assert "more than the 2 draft steps" in capsys.readouterr().err
+    assert report["mismatches"] == 0 and report["mismatches_fixed"] == 0
+    assert 1.0 <= report["acceptance_length_fixed"] <= 4.0
+    assert report["drafts_by_position_fixed"][0] > 0  # the fixed chain drafts every round
+    assert len(report["acceptance_by_position_fixed"]) == 3
+    assert "fixed chain: acceptance length" in (tmp_path / "eval" / "report.md").read_text()

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model
 from draftsmith.errors import ConfigError, DataError
-from draftsmith.formats.load import load_drafter
+from draftsmith.formats.load import checkpoint_dir, load_drafter
 from draftsmith.train import TrainConfig, train
 from draftsmith.train import trainer as trainer_module
 from draftsmith.train.losses import ttt_forward, ttt_loss
@@ -101,11 +101,19 @@ def test_files_written_and_checkpoint_loads(tmp_path):
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4, 5]
     assert [r["step"] for r in records if r["split"] == "val"] == [2, 4, 5]
-    assert {"loss", "loss_0", "loss_1", "acc_0", "acc_1", "lr", "grad_norm", "tokens_per_s"} <= records[0].keys()
+    expected = {"loss", "loss_0", "loss_1", "acc_0", "acc_1", "acc_draft_0", "acc_draft_1", "lr", "grad_norm"}
+    assert expected | {"tokens_per_s"} <= records[0].keys()
     assert (tmp_path / "curves.png").stat().st_size > 10_000
-    # checkpoints at 2, 4 and the end (5); the two newest are kept and `latest` names the last one
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
+    # checkpoints at 2, 4 and the end (5); the two newest are kept, and the best validation's; `latest` names the
+    # last one, `best` the one with the highest validation expected length, which evaluation and export use
+    val = [r for r in records if r["split"] == "val"]
+    best = max(val, key=lambda r: r["expected_length"])["step"]  # the first of equals
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted(
+        {f"step-{best:06d}", "step-000004", "step-000005"}
+    )
     assert (tmp_path / "latest").read_text().strip() == "checkpoints/step-000005"
+    assert (tmp_path / "best").read_text().strip() == f"checkpoints/step-{best:06d}"
+    assert checkpoint_dir(tmp_path) == tmp_path / "checkpoints" / f"step-{best:06d}"
     assert result.checkpoint == tmp_path / "checkpoints" / "step-000005" and result.val["positions"] > 0
     assert {p.name for p in result.checkpoint.iterdir()} == {"model.safetensors", "config.json", "trainer_state.pt"}
     assert json.loads((result.checkpoint / "config.json").read_text())["draft_vocab_size"] == 64
@@ -191,3 +199,28 @@ def test_two_processes_give_the_same_losses_as_one(tmp_path):
         for key, value in a.items():
             if key != "split":
                 assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (a["step"], a["split"], key)
+
+
+def test_recipe_switches(tmp_path):
+    """The head is frozen by default (the target's rows stay), trained on request; all_positions trains on prompt
+    tokens too; feature noise changes training, deterministically, and never validation."""
+    _, data, weights, config = setup(count=8)
+    for sample in data:  # a prompt half that is out of the loss
+        sample["loss_mask"][: len(sample["loss_mask"]) // 2] = False
+    base = dict(max_steps=3, batch_size=2, lr=1e-2, warmup_steps=1, ttt_steps=2, eval_every=3, val_fraction=0.25)
+    runs = {
+        name: run(TrainConfig(**base, **extra), data, weights, config, tmp_path / name)
+        for name, extra in {
+            "frozen": {},
+            "head": {"freeze_lm_head": False},
+            "all": {"all_positions": True},
+            "noise": {"feature_noise": 0.5},
+            "noise2": {"feature_noise": 0.5},
+        }.items()
+    }
+    initial = Eagle3Model.from_weights(config, weights[1], weights[0], weights[2], weights[3]).lm_head.weight
+    head = {name: load_drafter(tmp_path / name, setup()[0]).model.lm_head.weight for name in ("frozen", "head")}
+    assert torch.equal(head["frozen"], initial) and not torch.allclose(head["head"], initial)
+    assert runs["all"].val["positions"] > 1.5 * runs["frozen"].val["positions"]
+    assert runs["noise"].train["loss"] != runs["frozen"].train["loss"]
+    assert runs["noise"].train["loss"] == runs["noise2"].train["loss"]

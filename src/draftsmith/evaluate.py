@@ -63,12 +63,17 @@ def evaluate(target: Target, drafter: Drafter, dataset: str, prompts: list[Conve
 
 
 def evaluate_drafters(
-    target: Target, drafters: Sequence[Drafter], dataset: str, prompts: list[Conversation], cfg: EvalConfig
+    target: Target,
+    drafters: Sequence[Drafter],
+    dataset: str,
+    prompts: list[Conversation],
+    cfg: EvalConfig,
+    everywhere: int = 1,
 ) -> list[dict]:
     """One report per drafter, all against the same baseline runs: per prompt, the baseline and each drafter run
     back to back in an order that rotates from prompt to prompt, so machine noise hits every contestant alike.
-    Drafters after the first run on the first `cfg.compare_limit` prompts only (all when None), against the
-    baseline runs of those prompts."""
+    The first `everywhere` drafters run on every prompt; the others on the first `cfg.compare_limit` prompts only
+    (all when None), against the baseline runs of those prompts."""
     encoded = [target.encode_chat(c.messages) for c in prompts]
     for conv, ids in zip(prompts, encoded, strict=True):
         target.check_fits(len(ids), cfg.max_new_tokens, where=f"prompt {conv.id!r} of {dataset}")
@@ -85,7 +90,7 @@ def evaluate_drafters(
         task = progress.add_task(f"eval {names} on {dataset}", total=len(prompts))
         for i, ids in enumerate(encoded):
             seed = cfg.seed + i
-            contestants = [-1, 0] + [c for c in range(1, len(decoders)) if i < _compared(cfg, len(prompts))]
+            contestants = [-1] + [c for c in range(len(decoders)) if c < everywhere or i < _compared(cfg, len(prompts))]
             shift = i % len(contestants)
             for c in contestants[shift:] + contestants[:shift]:
                 if c < 0:
@@ -150,6 +155,16 @@ def _summarise(target, drafter, dataset, prompts, cfg: EvalConfig, runs) -> dict
     }
 
 
+FIXED_KEYS = ("acceptance_length", "acceptance_by_position", "drafts_by_position", "spec_tokens_per_s", "speedup",
+              "mismatches")  # fmt: skip
+
+
+def merge_fixed(report: dict, fixed: dict) -> dict:
+    """The adaptive report with the same drafter's fixed-chain run added as `<key>_fixed`: the drafter's quality
+    (what papers, vLLM and SGLang report) next to what the adaptive budget makes of it end to end."""
+    return report | {f"{key}_fixed": fixed[key] for key in FIXED_KEYS}
+
+
 SUMMARY_ROWS = [
     ("prompts", "prompts", "{}"),
     ("new tokens", "new_tokens", "{}"),
@@ -160,6 +175,17 @@ SUMMARY_ROWS = [
     ("speedup", "speedup", "{:.2f}x"),
     ("mismatches vs baseline", "mismatches", "{}"),
 ]
+FIXED_ROWS = [
+    ("fixed chain: acceptance length", "acceptance_length_fixed", "{:.2f}"),
+    ("fixed chain: speculative tokens/s", "spec_tokens_per_s_fixed", "{:.1f}"),
+    ("fixed chain: speedup", "speedup_fixed", "{:.2f}x"),
+    ("fixed chain: mismatches vs baseline", "mismatches_fixed", "{}"),
+]
+
+
+def summary_rows(report: dict) -> list[tuple[str, str]]:
+    rows = SUMMARY_ROWS + (FIXED_ROWS if "acceptance_length_fixed" in report else [])
+    return [(label, fmt.format(report[key])) for label, key, fmt in rows]
 
 
 def render_markdown(report: dict) -> str:
@@ -172,12 +198,17 @@ def render_markdown(report: dict) -> str:
         "| metric | value |",
         "| --- | ---: |",
     ]
-    lines += [f"| {label} | {fmt.format(report[key])} |" for label, key, fmt in SUMMARY_ROWS]
-    lines += ["", "| draft position | P(accepted) | drafts |", "| ---: | ---: | ---: |"]
-    lines += [
-        f"| {i + 1} | {p:.3f} | {n} |"
-        for i, (p, n) in enumerate(zip(report["acceptance_by_position"], report["drafts_by_position"], strict=True))
-    ]
+    lines += [f"| {label} | {value} |" for label, value in summary_rows(report)]
+    for suffix, title in (("", "adaptive budget"), ("_fixed", "fixed chain")):
+        if f"acceptance_by_position{suffix}" not in report:
+            continue
+        lines += ["", f"| draft position ({title}) | P(accepted) | drafts |", "| ---: | ---: | ---: |"]
+        lines += [
+            f"| {i + 1} | {p:.3f} | {n} |"
+            for i, (p, n) in enumerate(
+                zip(report[f"acceptance_by_position{suffix}"], report[f"drafts_by_position{suffix}"], strict=True)
+            )
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -185,8 +216,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
     table = Table(title=f"{report['drafter']} on {report['target']} ({report['dataset']})")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for label, key, fmt in SUMMARY_ROWS:
-        table.add_row(label, fmt.format(report[key]))
+    for label, value in summary_rows(report):
+        table.add_row(label, value)
     (console or Console()).print(table)
 
 

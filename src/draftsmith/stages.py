@@ -158,18 +158,37 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     """Evaluate `cfg.drafter` and every drafter in `cfg.compare` against one shared, interleaved baseline; write
     one report per drafter (the first in `cfg.out`, the others in `cfg.out/<name>`)."""
     from draftsmith.data.sources import load_eval_prompts
-    from draftsmith.drafters import build_drafter
-    from draftsmith.evaluate import evaluate_drafters, write_report
-    from draftsmith.formats.load import checkpoint_dir
+    from draftsmith.drafters import build_drafter, fixed_twin
+    from draftsmith.evaluate import evaluate_drafters, merge_fixed, write_report
+    from draftsmith.formats.load import checkpoint_dir, trained_depth
 
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
     specs = [cfg.drafter, *cfg.compare]
+    for spec in specs:
+        depth = trained_depth(spec) if Path(spec).is_dir() else None
+        if depth is not None and cfg.num_draft_tokens > depth:
+            warn(
+                f"--num-draft-tokens {cfg.num_draft_tokens} is more than the {depth} draft steps {spec} was trained "
+                f"for: steps past {depth} continue from states it never learned (use --num-draft-tokens {depth}, or "
+                "train with a deeper --ttt-steps)"
+            )
     drafters = [build_drafter(s, target, dtype=cfg.dtype, draft_length=cfg.draft_length) for s in specs]
-    reports = evaluate_drafters(target, drafters, dataset, prompts, cfg)
+    twin = fixed_twin(drafters[0])  # a learned drafter's quality: the same drafter with a fixed chain
+    if twin is None:
+        reports = evaluate_drafters(target, drafters, dataset, prompts, cfg)
+    else:
+        adaptive, fixed, *others = evaluate_drafters(target, [drafters[0], twin, *drafters[1:]], dataset, prompts, cfg, 2)
+        reports = [merge_fixed(adaptive, fixed), *others]
     for i, (spec, report) in enumerate(zip(specs, reports, strict=True)):
         report["drafter_checkpoint"] = str(checkpoint_dir(spec)) if Path(spec).is_dir() else None
         write_report(report, cfg.out if i == 0 else cfg.out / _safe_name(spec))
     return reports
+
+
+def warn(message: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[yellow]warning: {message}[/]", highlight=False, soft_wrap=True)
 
 
 def _safe_name(spec: str) -> str:

@@ -3,11 +3,11 @@
 from pathlib import Path
 
 from draftsmith.drafters.base import Draft, Drafter, NullDrafter
-from draftsmith.drafters.budget import DraftBudget
+from draftsmith.drafters.budget import DraftBudget, measured_budget
 from draftsmith.errors import ConfigError
 from draftsmith.target import Target, load_target
 
-__all__ = ["Draft", "Drafter", "NullDrafter", "build_drafter"]
+__all__ = ["Draft", "Drafter", "NullDrafter", "build_drafter", "fixed_twin"]
 
 
 def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_length: str = "adaptive") -> Drafter:
@@ -20,7 +20,10 @@ def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_lengt
     from draftsmith.formats.load import load_drafter
 
     if Path(spec).is_dir():
-        return load_drafter(spec, target, budget=DraftBudget() if draft_length == "adaptive" else DraftBudget.fixed())
+        drafter = load_drafter(spec, target, budget=DraftBudget.fixed())
+        if draft_length == "adaptive":
+            drafter.budget = measured_budget(target, drafter.step_probe())
+        return drafter
 
     kind, _, arg = spec.partition(":")
     if kind == "none" and not arg:
@@ -38,3 +41,13 @@ def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_lengt
         f"unknown drafter {spec!r}",
         hint="use ngram, ngram:MIN-MAX, model:<hub id or directory>, none, or an EAGLE-3 run/checkpoint directory",
     )
+
+
+def fixed_twin(drafter: Drafter) -> Drafter | None:
+    """The same learned drafter (shared weights, its own state) drafting the full chain every round, when `drafter`
+    cuts its chains adaptively; None otherwise. Evaluation runs both: quality and end-to-end speed."""
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+
+    if not isinstance(drafter, Eagle3Drafter) or drafter.budget.is_fixed:
+        return None
+    return Eagle3Drafter(drafter.model, drafter.name, DraftBudget.fixed())

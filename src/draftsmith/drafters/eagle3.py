@@ -11,18 +11,27 @@ One step takes (embedding of token x[t+1], hidden h_t) at position t and returns
 becomes the h of the next step, and draft logits for the token after x[t+1]. Over the context h_t is fc(target
 features at t); while drafting it is the drafter's own previous output. `Eagle3Drafter` runs that loop behind the
 engine's drafter protocol; training unrolls the same loop (train/losses.py) and a test proves the two agree.
+
+Layer variants, as speculators 0.9.0 names them (`Eagle3Config`; all off is the layer above, and what SGLang runs):
+`norm_before_fc` (one RMSNorm `input_norm` over the 3H features before fc), `fc_norm` (one RMSNorm per aux layer,
+`fc_norm.i`), `norm_before_residual` (the residual is hidden_norm(h)), `norm_output` (the output hidden is normed
+by `norm` and carried to the next step *normed*; lm_head reads it as is), `qk_norm` (Qwen3's layer: per-head q/k
+RMSNorm) and `sliding_window` W (a query sees the last W context positions; in training, as in speculators, the
+window is anchored at the context position a TTT step drafts from, at inference at the query's own position, as
+an engine's sliding window is: the two differ only for contexts longer than W - k).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors.torch import save_file
 from torch import nn
 
@@ -36,6 +45,8 @@ from draftsmith.target import Target
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight",)  # a copy of the target's embeddings: restored from the target, never saved
+# The layer variants speculators 0.9.0 can describe, as `Eagle3Config` fields (all off: the original EAGLE-3 layer).
+VARIANTS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output", "qk_norm", "sliding_window")
 
 
 class Eagle3Config(BaseModel):
@@ -56,6 +67,25 @@ class Eagle3Config(BaseModel):
     aux_layer_ids: tuple[int, int, int]
     target: str = ""
     target_fingerprint: str = ""
+    # Layer variants, named as speculators' Eagle3SpeculatorConfig names them; a config.json without them (every
+    # draftsmith checkpoint written before they existed) reads as the original layer.
+    norm_before_fc: bool = False  # RMSNorm `input_norm` (3H) over the concatenated target features before fc
+    fc_norm: bool = False  # one RMSNorm per aux layer, `fc_norm.{0,1,2}` (H), over its features before fc
+    norm_before_residual: bool = False  # the attention residual is hidden_norm(h), not h
+    norm_output: bool = False  # the output hidden is `norm`ed before lm_head *and* carried to the next step normed
+    qk_norm: bool = False  # Qwen3's layer: RMSNorm over each head of q and k before RoPE (`q_norm`, `k_norm`)
+    sliding_window: int | None = Field(default=None, ge=1)  # attend to the last W context positions only
+
+    @model_validator(mode="after")
+    def _one_fc_norm(self) -> Eagle3Config:
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm exclude each other (one norm over 3H, or one per layer)")
+        return self
+
+    def variant(self) -> dict[str, Any]:
+        """The layer variant switches that are not at their default (empty for the original EAGLE-3 layer)."""
+        defaults = type(self).model_fields
+        return {k: getattr(self, k) for k in VARIANTS if getattr(self, k) != defaults[k].default}
 
     @classmethod
     def from_target(
@@ -64,8 +94,10 @@ class Eagle3Config(BaseModel):
         draft_vocab_size: int,
         aux_layer_ids: tuple[int, ...],
         fingerprint: str | None = None,
+        **variant: Any,
     ) -> Eagle3Config:
-        """Shape the drafter's layer like one of the target's; `fingerprint` skips re-hashing a known target."""
+        """Shape the drafter's layer like one of the target's; `fingerprint` skips re-hashing a known target;
+        `variant` sets the layer variant switches (`VARIANTS`)."""
         c = target.config
         if len(aux_layer_ids) != 3 or not all(0 <= i < target.num_layers for i in aux_layer_ids):
             raise ConfigError(
@@ -85,6 +117,14 @@ class Eagle3Config(BaseModel):
                 hint="use a target without rope scaling",
             )
         heads = c.num_attention_heads
+        unknown = sorted(set(variant) - set(VARIANTS))
+        if unknown:
+            raise ConfigError(f"unknown EAGLE-3 layer variant {unknown}", hint=f"use {', '.join(VARIANTS)}")
+        if variant.get("norm_before_fc") and variant.get("fc_norm"):
+            raise ConfigError(
+                "norm_before_fc and fc_norm exclude each other (one norm over the 3 layers, or one per layer)",
+                hint="turn one of them off",
+            )
         return cls(
             hidden_size=c.hidden_size,
             num_attention_heads=heads,
@@ -99,13 +139,15 @@ class Eagle3Config(BaseModel):
             aux_layer_ids=tuple(aux_layer_ids),
             target=target.name,
             target_fingerprint=target.fingerprint() if fingerprint is None else fingerprint,
+            **variant,
         )
 
 
 class AttentionCache(Protocol):
-    """Decides which keys a query sees: `attend` stores this call's keys/values and returns the attention output."""
+    """Decides which keys a query sees: `attend` stores this call's keys/values and returns the attention output.
+    A sliding-window layer passes `window`: then context keys more than `window - 1` positions back are hidden."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor: ...
 
 
 class KVCache:
@@ -118,15 +160,18 @@ class KVCache:
     def __len__(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
         past = len(self)
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         new, total = q.shape[2], self.k.shape[2]
-        if new == 1:  # a draft step: the one query sees the whole cache, no mask needed
+        if new == 1 and (window is None or window >= total):  # a draft step: the one query sees the whole cache
             return F.scaled_dot_product_attention(q, self.k, self.v, enable_gqa=True)
-        # The i-th new query sits at cache index past + i and sees everything up to and including itself.
-        mask = torch.arange(total, device=q.device)[None, :] <= past + torch.arange(new, device=q.device)[:, None]
+        # The i-th new query sits at cache index past + i and sees everything up to and including itself (within
+        # the window: the last `window` cache entries, as an engine's sliding window over positions does).
+        seen = torch.arange(total, device=q.device)[None, :]
+        at = past + torch.arange(new, device=q.device)[:, None]
+        mask = (seen <= at) if window is None else (seen <= at) & (seen > at - window)
         return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=True)
 
     def crop(self, length: int) -> None:
@@ -134,8 +179,19 @@ class KVCache:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Plain causal attention of T queries over their T keys, or with `window` over the last `window` of them."""
+    length = q.shape[2]
+    if window is None or window >= length:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(length, window, q.device), enable_gqa=True)
+
+
+def band_mask(length: int, window: int | None, device: torch.device | None = None) -> torch.Tensor:
+    """(L, L) bool: query t sees keys s with t - window < s <= t (speculators' sliding causal mask)."""
+    t = torch.arange(length, device=device)[:, None]
+    s = torch.arange(length, device=device)[None, :]
+    return (s <= t) if window is None else (s <= t) & (s > t - window)
 
 
 class RMSNorm(nn.Module):
@@ -165,16 +221,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3's layer: each head of q and k RMS-normed (over head_dim) before RoPE
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.window = cfg.sliding_window
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: AttentionCache | None
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = causal_attention(q, k, v) if cache is None else cache.attend(q, k, v)
+        if cache is None:
+            out = causal_attention(q, k, v, self.window)
+        else:
+            out = cache.attend(q, k, v) if self.window is None else cache.attend(q, k, v, window=self.window)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -190,7 +257,8 @@ class MLP(nn.Module):
 
 
 class MidLayer(nn.Module):
-    """The decoder layer: attention over [token embedding ; hidden], with the hidden as the residual."""
+    """The decoder layer: attention over [token embedding ; hidden], with the hidden (or, with
+    `norm_before_residual`, the normed hidden) as the residual."""
 
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
@@ -199,6 +267,7 @@ class MidLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def forward(
         self,
@@ -208,8 +277,9 @@ class MidLayer(nn.Module):
         sin: torch.Tensor,
         cache: AttentionCache | None,
     ) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, cache)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -220,6 +290,10 @@ class Eagle3Model(nn.Module):
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)
+        if config.norm_before_fc:  # speculators' names for its norms before fc (absent when off)
+            self.input_norm = RMSNorm(3 * h, config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in range(3))
         self.fc = nn.Linear(3 * h, h, bias=False)
         self.midlayer = MidLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -268,6 +342,11 @@ class Eagle3Model(nn.Module):
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """(..., 3H) target features -> (..., H): the hidden a context position starts from."""
+        if self.config.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)
+        if self.config.fc_norm:
+            parts = aux_hidden.chunk(3, dim=-1)
+            aux_hidden = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts, strict=True)], dim=-1)
         return self.fc(aux_hidden)
 
     def forward(
@@ -291,7 +370,10 @@ class Eagle3Model(nn.Module):
         positions: torch.Tensor,
         cache: AttentionCache | None = None,
     ) -> torch.Tensor:
-        """The output hidden alone: training computes logits only at the positions that reach the loss."""
+        """The output hidden alone: training computes logits only at the positions that reach the loss.
+
+        It is what the next draft step reads as its hidden: the layer's output, or with `norm_output` its `norm`.
+        """
         cfg = self.config
         # RoPE angles in fp32 whatever the model's dtype, as Llama computes them.
         inv_freq = 1.0 / cfg.rope_theta ** (
@@ -300,10 +382,12 @@ class Eagle3Model(nn.Module):
         angles = positions.to(embeds.device, torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos().to(embeds.dtype), angles.sin().to(embeds.dtype)
-        return self.midlayer(embeds, hidden, cos, sin, cache)
+        out = self.midlayer(embeds, hidden, cos, sin, cache)
+        return self.norm(out) if cfg.norm_output else out
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        """Draft logits of an output hidden of `forward_hidden` (already normed with `norm_output`)."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
 
 class Eagle3Drafter:
@@ -319,7 +403,7 @@ class Eagle3Drafter:
         self.model = model.eval()
         pack_linears(model)  # its steps are memory-bound one-row forwards, like the target's
         self.budget = budget or DraftBudget.fixed()
-        self.last_chain: tuple[int, list[int], list[float]] | None = None  # (start, tokens, reach) to score
+        self.last_chain: tuple[int, list[int], list[float]] | None = None  # (start, tokens, confidences) to score
         self.aux_layer_ids: tuple[int, ...] = tuple(model.config.aux_layer_ids)
         self.draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=model.d2t.device))
         self.begin(torch.empty(0, dtype=torch.long), None)
@@ -368,7 +452,7 @@ class Eagle3Drafter:
             self.logits = model.draft_logits(self.hidden)[0, -1]  # only the last position drafts
         self._score_last_chain(tokens)
         hidden, logits = self.hidden, self.logits
-        drafted, dists, reach = [], [], [1.0]
+        drafted, dists, reach, confidences = [], [], [1.0], []
         for i in range(max_tokens):
             token, q, confidence = self._pick(logits, temperature, generator)
             reach.append(self.budget.reach(reach[-1], confidence))
@@ -376,6 +460,7 @@ class Eagle3Drafter:
                 break
             drafted.append(token)
             dists.append(q)
+            confidences.append(confidence)
             if i + 1 < max_tokens:
                 embeds = model.embed_tokens(token.view(1, 1))
                 position = torch.tensor([self.context + i], device=self.device)
@@ -385,7 +470,7 @@ class Eagle3Drafter:
         paid = bool(drafted) and self.budget.pays(sum(reach), len(drafted))
         self.budget.settle(paid)
         if drafted:
-            self.last_chain = (len(tokens), torch.stack(drafted).tolist(), reach)
+            self.last_chain = (len(tokens), torch.stack(drafted).tolist(), confidences)
         if not paid:
             return Draft.empty()
         probs = torch.stack(dists).cpu() if temperature > 0 else None
@@ -395,11 +480,11 @@ class Eagle3Drafter:
         """Calibrate the budget: how far the last chain, proposed or not, matched what the target then wrote."""
         if self.last_chain is None:
             return
-        start, chain, reach = self.last_chain
+        start, chain, confidences = self.last_chain
         written = tokens[start : start + len(chain)].tolist()
         matched = next((i for i, (a, b) in enumerate(zip(chain, written, strict=False)) if a != b), len(written))
-        compared = min(matched + 1, len(written))  # tokens whose fate is known
-        self.budget.record(sum(reach[:compared]), matched)
+        decided = min(matched + 1, len(written))  # tokens whose fate is known: up to and including a mismatch
+        self.budget.record(confidences[:decided], [i < matched for i in range(decided)])
         self.last_chain = None
 
     def _pick(
@@ -416,6 +501,21 @@ class Eagle3Drafter:
         full = q.new_zeros(self.model.config.vocab_size)
         full[self.draft_ids] = q
         return self.draft_ids[choice], full, confidence
+
+    def step_probe(self, context: int = 128) -> Callable[[], None]:
+        """One draft step over a `context`-position cache, as a callable: what the budget times at load."""
+        model, cache = self.model, KVCache()
+        zeros = torch.zeros(1, context, model.config.hidden_size, device=self.device, dtype=model.fc.weight.dtype)
+        with torch.inference_mode():
+            model.forward_hidden(zeros, zeros, torch.arange(context, device=self.device), cache)
+        position = torch.tensor([context], device=self.device)
+
+        def step() -> None:
+            with torch.inference_mode():
+                model(zeros[:, :1], zeros[:, :1], position, cache)
+            cache.crop(context)
+
+        return step
 
     @torch.inference_mode()
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:
@@ -440,10 +540,12 @@ def save_checkpoint(model: Eagle3Model, directory: str | Path) -> Path:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a training run directory whose `latest` file names one."""
+    """A checkpoint directory, or a training run directory: the checkpoint its `best` file names (the best
+    validation), else its `latest`."""
     path = Path(path)
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
+    for pointer in ("best", "latest"):
+        if (path / pointer).is_file():
+            return resolve_checkpoint(path / (path / pointer).read_text().strip())
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise DraftsmithError(
             f"{path} is not an EAGLE-3 checkpoint: expected {CONFIG_FILE} and {WEIGHTS_FILE} there",

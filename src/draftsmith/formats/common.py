@@ -53,6 +53,23 @@ OUR_KEYS = ("fc.weight", *(f"midlayer.{k}" for k in MIDLAYER_KEYS), "norm.weight
 EMBED_KEY = "embed_tokens.weight"
 
 
+def variant_keys(config: Eagle3Config) -> tuple[str, ...]:
+    """The weights a layer variant adds (speculators' names, which are ours): none for the original layer."""
+    keys: list[str] = []
+    if config.norm_before_fc:
+        keys.append("input_norm.weight")
+    if config.fc_norm:
+        keys += [f"fc_norm.{i}.weight" for i in range(3)]
+    if config.qk_norm:
+        keys += ["midlayer.self_attn.q_norm.weight", "midlayer.self_attn.k_norm.weight"]
+    return tuple(keys)
+
+
+def required_keys(config: Eagle3Config) -> tuple[str, ...]:
+    """Every weight a drafter with this config must ship (all but the frozen embeddings)."""
+    return (*OUR_KEYS, *variant_keys(config))
+
+
 @dataclass
 class Converted:
     """A drafter directory read into our names, with how its foreign conventions were interpreted."""
@@ -80,7 +97,14 @@ def expected_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (config.intermediate_size, h),
         "mlp.down_proj.weight": (h, config.intermediate_size),
     }
+    variant = {
+        "input_norm.weight": (3 * h,),
+        **{f"fc_norm.{i}.weight": (h,) for i in range(3)},
+        "midlayer.self_attn.q_norm.weight": (d,),
+        "midlayer.self_attn.k_norm.weight": (d,),
+    }
     return {
+        **{k: variant[k] for k in variant_keys(config)},
         "fc.weight": (h, 3 * h),
         **{f"midlayer.{k}": v for k, v in mid.items()},
         "norm.weight": (h,),
@@ -94,7 +118,7 @@ def expected_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
 def check_state(state: dict[str, torch.Tensor], config: Eagle3Config, where: str) -> None:
     """Every weight present with the shape the config implies; nothing unknown (an engine would skip it silently)."""
     shapes = expected_shapes(config)
-    missing = [k for k in OUR_KEYS if k not in state]
+    missing = [k for k in required_keys(config) if k not in state]
     unknown = sorted(k for k in state if k not in shapes)
     if missing or unknown:
         raise DraftsmithError(

@@ -99,3 +99,17 @@ def load_drafter(
     with torch.no_grad():
         model = build_model(converted, target)
     return Eagle3Drafter(model, name or f"eagle3:{checkpoint_dir(path)}", budget)
+
+
+def trained_depth(path: str | Path) -> int | None:
+    """How many draft steps a drafter directory was trained to make, where recorded: the training-time test depth
+    of a draftsmith run, or the `speculative_tokens` an export declares."""
+    if detect_format(path) == "draftsmith":
+        state_file = resolve_checkpoint(path) / "trainer_state.pt"
+        if not state_file.is_file():
+            return None
+        depth = torch.load(state_file, map_location="cpu", weights_only=True).get("config", {}).get("ttt_steps")
+        return int(depth) if depth else None
+    methods = (read_json(Path(path) / CONFIG_FILE).get("speculators_config") or {}).get("proposal_methods") or [{}]
+    depth = methods[0].get("speculative_tokens")
+    return int(depth) if depth else None

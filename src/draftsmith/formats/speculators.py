@@ -6,10 +6,14 @@ which points at a config.py that only `trust_remote_code` loaders read. Weights:
 the rest by the same names; no `embed_tokens.weight` (vLLM and speculators take the verifier's embeddings when it is
 absent). The speculators library itself also writes the frozen embeddings; `read` accepts them.
 
-The switches are set to what our drafter does: hidden_norm is applied to the attention input only and the residual
-is the raw hidden (`norm_before_residual: false` -- vLLM assumes *true* when the field is missing, so it is always
-written), no norm before fc (`norm_before_fc`, `fc_norm`: false), and the pre-norm output hidden is fed to the next
-draft step (`norm_output: false`). `eagle_aux_hidden_state_layer_ids` is in vLLM's convention, which is ours.
+The switches `norm_before_residual`, `norm_before_fc`, `fc_norm` and `norm_output` are our `Eagle3Config` fields of
+the same names and meaning, written always (vLLM assumes `norm_before_residual: true` when the field is missing;
+speculators, and so draftsmith, false). `transformer_layer_config` says the rest of the layer: `model_type` llama,
+or qwen3 for our `qk_norm` (its q_norm/k_norm), and a sliding window as speculators' training writes it
+(`layer_types: [sliding_attention]`, `sliding_window`, `use_sliding_window`). Everything else a speculators config can
+say that our layer cannot run (several layers, biases, other activations or layer types, RoPE scaling or partial
+rotation, a target hidden size of its own) is refused on import. `eagle_aux_hidden_state_layer_ids` is in vLLM's
+convention, which is ours.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from draftsmith.formats.common import (
 
 SPECULATORS_VERSION = "0.9.0"
 MODEL_TYPE = "eagle3"
-# Switch -> the value our drafter needs; any other value is an architecture we cannot run.
-SWITCHES = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+# speculators' top-level switches, each an `Eagle3Config` field of the same name (missing: false, as speculators reads)
+SWITCHES = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+LAYER_TYPES = {"llama": False, "qwen3": True}  # transformer_layer_config.model_type -> our qk_norm
 
 
 def to_speculators_key(name: str) -> str:
@@ -45,9 +50,45 @@ def from_speculators_key(name: str) -> str:
 
 
 def transformer_layer_config(config: Eagle3Config, target_config: dict[str, Any]) -> dict[str, Any]:
-    """A Llama decoder layer shaped like ours: Llama, whatever the target's family, because our layer has no
-    q/k norms or biases (Qwen3's layer, speculators' default, has q_norm/k_norm). The token ids are the target's;
-    without them the library writes LlamaConfig's defaults (1, 2, null), and so do we."""
+    """A decoder layer shaped like ours: Llama, whatever the target's family, unless ours has q/k norms (`qk_norm`),
+    which is Qwen3's layer. The token ids are the target's; without them the library writes LlamaConfig's defaults
+    (1, 2, null), and so do we. As speculators writes its own configs, so that it re-saves ours unchanged."""
+    if config.qk_norm:
+        layer = {
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": target_config.get("bos_token_id"),
+            "eos_token_id": target_config.get("eos_token_id"),
+            "pad_token_id": target_config.get("pad_token_id"),
+            "head_dim": config.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": config.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": config.intermediate_size,
+            "layer_types": ["full_attention"],
+            "max_position_embeddings": config.max_position_embeddings,
+            "max_window_layers": 28,
+            "model_type": "qwen3",
+            "num_attention_heads": config.num_attention_heads,
+            "num_hidden_layers": 1,
+            "num_key_value_heads": config.num_key_value_heads,
+            "rms_norm_eps": config.rms_norm_eps,
+            "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": config.vocab_size,
+        }
+    else:
+        layer = llama_layer_config(config, target_config)
+    if config.sliding_window is not None:  # as speculators' training writes its default sliding-window layer
+        layer |= {"layer_types": ["sliding_attention"], "sliding_window": config.sliding_window}
+        layer |= {"use_sliding_window": True}
+    return layer
+
+
+def llama_layer_config(config: Eagle3Config, target_config: dict[str, Any]) -> dict[str, Any]:
     return {
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -88,7 +129,7 @@ def export_config(
         "dtype": dtype,
         "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
         "embed_requires_grad": False,
-        **SWITCHES,
+        **{k: getattr(config, k) for k in SWITCHES},
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -126,10 +167,17 @@ def read(raw: dict[str, Any], weights: dict[str, torch.Tensor], num_layers: int 
             f"{where}: speculators_model_type is {raw.get('speculators_model_type')!r}, draftsmith runs 'eagle3'",
             hint="only EAGLE-3 speculators checkpoints can be imported",
         )
-    unsupported = [f"{k}={raw.get(k)}" for k, want in SWITCHES.items() if bool(raw.get(k, want)) != want]
+    switches = {k: bool(raw.get(k, False)) for k in SWITCHES}
+    unsupported = []
+    if switches["norm_before_fc"] and switches["fc_norm"]:
+        unsupported.append("norm_before_fc and fc_norm both true (speculators refuses that too)")
     tl = raw.get("transformer_layer_config") or {}
-    if tl.get("model_type", "llama") != "llama":
-        unsupported.append(f"transformer_layer_config.model_type={tl.get('model_type')!r} (ours is a Llama layer)")
+    layer_type = tl.get("model_type", "qwen3")  # speculators reads a layer config without model_type as Qwen3's
+    if layer_type not in LAYER_TYPES:
+        unsupported.append(
+            f"transformer_layer_config.model_type={layer_type!r} (draftsmith runs {' and '.join(LAYER_TYPES)} layers)"
+        )
+    window = sliding_window(tl, layer_type)
     if tl.get("num_hidden_layers", 1) != 1:
         unsupported.append(f"num_hidden_layers={tl.get('num_hidden_layers')} (ours has one)")
     for key in ("attention_bias", "mlp_bias"):
@@ -140,13 +188,15 @@ def read(raw: dict[str, Any], weights: dict[str, torch.Tensor], num_layers: int 
     rope = tl.get("rope_parameters") or tl.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         unsupported.append(f"rope_type={rope.get('rope_type', rope.get('type'))!r}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0 or "mrope_section" in rope:
+        unsupported.append("partial or multimodal RoPE (partial_rotary_factor / mrope_section)")
     hidden = tl.get("hidden_size")
     if raw.get("target_hidden_size") not in (None, hidden):
         unsupported.append(f"target_hidden_size={raw['target_hidden_size']} != hidden_size={hidden}")
     if unsupported:
         raise DraftsmithError(
             f"{where}: this EAGLE-3 variant is not one draftsmith's drafter can run: {', '.join(unsupported)}",
-            hint="draftsmith imports Llama-layer EAGLE-3 drafters with plain RoPE and the original norms",
+            hint="draftsmith imports one-layer Llama/Qwen3 EAGLE-3 drafters with plain RoPE, SiLU and no biases",
         )
     provenance = raw.get(PROVENANCE_KEY) or {}
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
@@ -158,5 +208,24 @@ def read(raw: dict[str, Any], weights: dict[str, torch.Tensor], num_layers: int 
         aux = default_ids(num_layers, where)
         notes.append(f"no eagle_aux_hidden_state_layer_ids: vLLM's default {list(aux)} (inputs of layers)")
     state = {from_speculators_key(k): v for k, v in weights.items()}
-    config = build_config(tl, raw, state, aux, provenance, where)
+    if layer_type == "qwen3" and not tl.get("head_dim"):
+        tl = tl | {"head_dim": 128}  # Qwen3Config's default
+    variant = switches | {"qk_norm": LAYER_TYPES[layer_type], "sliding_window": window}
+    config = build_config(tl, raw, state, aux, provenance, where, variant)
     return Converted(config, identity_vocab(state, config), "speculators", notes, raw, provenance)
+
+
+def sliding_window(tl: dict[str, Any], layer_type: str) -> int | None:
+    """The window speculators' Eagle3DraftModel applies to its (first and only) layer, read as transformers builds
+    the layer config: `layer_types[0] == "sliding_attention"` with a `sliding_window`; Qwen3Config drops the
+    window unless `use_sliding_window`, and derives `layer_types` from `max_window_layers` when they are absent."""
+    window = tl.get("sliding_window")
+    layer_types = tl.get("layer_types")
+    if layer_type == "qwen3":
+        window = window if tl.get("use_sliding_window", False) else None
+        if layer_types is None:
+            sliding = window is not None and tl.get("max_window_layers", 28) <= 0
+            layer_types = ["sliding_attention" if sliding else "full_attention"]
+    if not layer_types or layer_types[0] != "sliding_attention" or window is None:
+        return None
+    return int(window)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.drafters.eagle3 import Eagle3Model, causal_attention
+from draftsmith.drafters.eagle3 import Eagle3Model, band_mask, causal_attention
 from draftsmith.train.metrics import StepStats
 
 TARGET_CHUNK = 256  # positions per chunk when computing the target's full-vocabulary logits
@@ -31,16 +31,17 @@ class StepCache:
         self.keys: list[torch.Tensor] = []  # per step: (B, kv_heads, L, head_dim)
         self.values: list[torch.Tensor] = []
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """`window`: a sliding-window layer's step-0 keys seen only within t - window < s <= t (speculators')."""
         self.keys.append(k)
         self.values.append(v)
         if len(self.keys) == 1:
-            return causal_attention(q, k, v)
+            return causal_attention(q, k, v, window)
         groups, length = q.shape[1] // k.shape[1], q.shape[2]
         keys = [key.repeat_interleave(groups, dim=1) for key in self.keys]
         values = [value.repeat_interleave(groups, dim=1) for value in self.values]
         scale = q.shape[-1] ** -0.5
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        causal = band_mask(length, window, q.device)
         context = (q @ keys[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))
         own = torch.stack([(q * key).sum(-1) for key in keys[1:]], dim=-1) * scale  # (B, heads, L, steps so far)
         scores = torch.cat([context, own], dim=-1)
@@ -134,6 +135,8 @@ def ttt_loss(
         kl = F.cross_entropy(logits, p[target_row], reduction="none") + neg_entropy[target_row]
         total = total + step_weight**k * kl.sum() / denominators[k].clamp_min(1)
         stats.loss_sum[k] += kl.sum().detach()
-        stats.correct[k] += (draft_ids[logits.argmax(-1)] == top[target_row]).sum()
+        guess = logits.argmax(-1)
+        stats.correct[k] += (draft_ids[guess] == top[target_row]).sum()  # what greedy verification accepts
+        stats.correct_draft[k] += (guess == p[target_row].argmax(-1)).sum()  # speculators' metric
         stats.count[k] += len(b)
     return total, stats

@@ -2,7 +2,8 @@
 
 loss_k is the mean KL(p || q_k) and acc_k the share of positions where the drafter's top-1 (mapped to target ids)
 equals the target's top-1 over its full vocabulary, both over the positions that count at step k. acc_k is what
-greedy verification would accept at depth k if every earlier draft token had been right.
+greedy verification would accept at depth k if every earlier draft token had been right. acc_draft_k compares with
+the target's top-1 within the draft vocabulary instead (what speculators logs), so the libraries' numbers compare.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ class StepStats:
     """Sums of loss, correct top-1 and counted positions per TTT step, in fp64 so long sums stay exact enough."""
 
     def __init__(self, data: torch.Tensor) -> None:
-        self.data = data  # (3, steps): loss sum, correct, count
+        self.data = data  # (4, steps): loss sum, correct (full vocabulary), correct (draft vocabulary), count
 
     @classmethod
     def zeros(cls, steps: int, device: torch.device | str = "cpu") -> StepStats:
-        return cls(torch.zeros(3, steps, dtype=torch.float64, device=device))
+        return cls(torch.zeros(4, steps, dtype=torch.float64, device=device))
 
     @property
     def loss_sum(self) -> torch.Tensor:
@@ -39,8 +40,12 @@ class StepStats:
         return self.data[1]
 
     @property
-    def count(self) -> torch.Tensor:
+    def correct_draft(self) -> torch.Tensor:
         return self.data[2]
+
+    @property
+    def count(self) -> torch.Tensor:
+        return self.data[3]
 
     def __iadd__(self, other: StepStats) -> StepStats:
         self.data += other.data
@@ -52,12 +57,20 @@ class StepStats:
         return self
 
     def summary(self, step_weight: float) -> dict[str, float]:
-        """loss (the weighted objective), loss_k and acc_k; NaN-free: a step with no positions reports 0."""
+        """loss (the weighted objective), loss_k, acc_k, acc_draft_k and `expected_length`; NaN-free: a step with
+        no positions reports 0. expected_length = 1 + sum_k prod_{j<=k} acc_j, the tokens per verify forward a
+        fixed chain of this depth would make if acceptance at each depth were independent: how checkpoints rank."""
         count = self.count.clamp_min(1)
         losses, accs = (self.loss_sum / count).tolist(), (self.correct / count).tolist()
         out = {"loss": sum(step_weight**k * loss for k, loss in enumerate(losses))}
         out.update({f"loss_{k}": loss for k, loss in enumerate(losses)})
         out.update({f"acc_{k}": acc for k, acc in enumerate(accs)})
+        out.update({f"acc_draft_{k}": acc for k, acc in enumerate((self.correct_draft / count).tolist())})
+        reach, expected = 1.0, 1.0
+        for acc in accs:
+            reach *= acc
+            expected += reach
+        out["expected_length"] = expected
         out["positions"] = float(self.count.sum())
         return out
 
@@ -110,7 +123,7 @@ def plot_curves(out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = read_metrics(out_dir)
-    steps = sum(key.startswith("acc_") for key in records[0]) if records else 0
+    steps = sum(key.removeprefix("acc_").isdigit() for key in records[0]) if records else 0
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = plt.get_cmap("viridis")
     for metric, ax in zip(("loss", "acc"), axes, strict=True):

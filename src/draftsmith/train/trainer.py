@@ -62,6 +62,9 @@ class TrainConfig(StageConfig):
     bf16: bool = False  # bf16 autocast (CPU or CUDA); weights, optimiser and losses stay fp32
     max_length: int = Field(default=2048, ge=3)  # longer sequences are truncated
     fsdp: bool = False  # under torchrun: shard the drafter over the processes (FSDP2) instead of replicating it
+    freeze_lm_head: bool = True  # keep the target's head rows (as speculators does): fewer weights to overfit
+    all_positions: bool = False  # train on every position (prompt tokens too): the label is the target's anyway
+    feature_noise: float = Field(default=0.0, ge=0)  # N(0, (noise * rms(f))^2) added to the target features
 
 
 @dataclass
@@ -101,6 +104,7 @@ def train(
         check_dataset(dataset, model_config)
         seed_everything(cfg.seed)
         model = Eagle3Model.from_weights(model_config, embed_weight, target_head, d2t, t2d)
+        model.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
         return Trainer(cfg, dataset, model, target_head, Path(out_dir), device).run(resume)
     finally:
         if owns_group:
@@ -143,6 +147,7 @@ class Trainer:
         warmup, total = cfg.warmup_steps, self.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total))
         self.step = 0
+        self.best_length = 0.0  # the best validation expected_length so far; its checkpoint is kept as `best`
 
     def run(self, resume: bool) -> TrainResult:
         cfg = self.cfg
@@ -152,6 +157,7 @@ class Trainer:
         elif self.rank == 0:  # starting over: an earlier run's checkpoints must not outlive (or outrank) ours
             shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
             latest.unlink(missing_ok=True)
+            (self.out_dir / "best").unlink(missing_ok=True)
         if self.world > 1 and self.sharded is None:  # every rank starts from rank 0's weights (FSDP: seeded alike)
             for tensor in self.model.state_dict().values():
                 dist.broadcast(tensor, 0)
@@ -181,12 +187,15 @@ class Trainer:
                 if writer:
                     writer.log(self.step, "train", train_metrics)
                 done = self.step == self.total_steps
+                best = False
                 if self.val_idx and (self.step % cfg.eval_every == 0 or done):
                     val_metrics = self.validate().summary(cfg.step_weight)
                     if writer:
                         writer.log(self.step, "val", val_metrics)
-                if self.step % cfg.checkpoint_every == 0 or done:
-                    self.save()
+                    best = val_metrics["expected_length"] > self.best_length
+                    self.best_length = max(self.best_length, val_metrics["expected_length"])
+                if best or self.step % cfg.checkpoint_every == 0 or done:
+                    self.save(best)
                 m = train_metrics
                 info = f"loss {m['loss']:.3f}  acc_0 {m['acc_0']:.2f}  {m['tokens_per_s']:,.0f} tok/s"
                 progress.update(task, completed=self.step, info=info)
@@ -203,11 +212,24 @@ class Trainer:
 
     def _sample(self, index: int) -> dict[str, torch.Tensor]:
         """A dataset item plus the target's full-vocabulary argmax per position, computed once per sample: it costs
-        12x the draft-vocabulary distribution (49k vs 4k head rows for SmolLM2) and only feeds the accuracy metric."""
+        12x the draft-vocabulary distribution (49k vs 4k head rows for SmolLM2) and only feeds the accuracy metric.
+        With `all_positions` every token is in the loss: the label is the target's distribution, which exists at
+        prompt tokens too."""
         sample = self.dataset[index]
         if index not in self.target_tops:
             self.target_tops[index] = target_top(sample["last_hidden"].to(self.device), self.head).cpu()
+        if self.cfg.all_positions:
+            sample = sample | {"loss_mask": torch.ones_like(sample["loss_mask"])}
         return sample | {"target_top": self.target_tops[index]}
+
+    def add_noise(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Training only: the drafter reads the target's features slightly perturbed, so it does not lean on detail
+        that its own drafted states (steps >= 1) and other prompts do not have."""
+        if not self.cfg.feature_noise:
+            return batch
+        aux = batch["aux_hidden"]
+        rms = aux.float().pow(2).mean(-1, keepdim=True).sqrt()
+        return batch | {"aux_hidden": aux + self.cfg.feature_noise * rms * torch.randn_like(aux, dtype=torch.float32)}
 
     def micro_batches(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         mine = indices[self.rank :: self.world]
@@ -235,7 +257,7 @@ class Trainer:
             if self.sharded is not None:  # FSDP: reduce-scatter the summed gradients once, after the last one
                 self.sharded.set_requires_gradient_sync(i == len(batches) - 1)
             with self.autocast():
-                loss, batch_stats = self.loss(batch, counts[1:])
+                loss, batch_stats = self.loss(self.add_noise(batch), counts[1:])
             loss.backward()
             stats += batch_stats
         if self.world > 1 and self.sharded is None:
@@ -273,8 +295,9 @@ class Trainer:
     def checkpoint_dir(self, step: int) -> Path:
         return self.out_dir / "checkpoints" / f"step-{step:06d}"
 
-    def save(self) -> None:
-        """Write the checkpoint under a temporary name, rename it into place, then point `latest` at it."""
+    def save(self, best: bool = False) -> None:
+        """Write the checkpoint under a temporary name, rename it into place, then point `latest` (and, when it
+        has the best validation so far, `best`) at it. Rotation keeps the newest few and the best."""
         model, optimizer_state = self.model, None
         if self.sharded is not None:  # gather full tensors on every rank (collectives); rank 0 writes them
             from draftsmith.train import distributed
@@ -293,13 +316,19 @@ class Trainer:
                 "optimizer": optimizer_state or self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "rng": rng_state(),
+                "best_length": self.best_length,
             }
             torch.save(state, tmp / STATE_FILE)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             write_atomic(self.out_dir / "latest", f"checkpoints/{final.name}\n")
+            if best:
+                write_atomic(self.out_dir / "best", f"checkpoints/{final.name}\n")
+            best_file = self.out_dir / "best"
+            kept = best_file.read_text().strip() if best_file.is_file() else None
             for old in sorted(final.parent.glob("step-*"))[: -self.cfg.keep_checkpoints]:
-                shutil.rmtree(old)
+                if f"checkpoints/{old.name}" != kept:
+                    shutil.rmtree(old)
         if self.world > 1:
             dist.barrier()
 
@@ -309,9 +338,8 @@ class Trainer:
         changed = {
             k: (v, current.get(k)) for k, v in state["config"].items() if k not in RESUMABLE and v != current.get(k)
         }
-        saved_model = read_config(path)
-        if saved_model != self.model.config:
-            changed["drafter shape"] = (saved_model.model_dump(), self.model.config.model_dump())
+        saved_model, model = read_config(path).model_dump(), self.model.config.model_dump()
+        changed |= {f"drafter {k}": (v, model.get(k)) for k, v in saved_model.items() if v != model.get(k)}
         if changed:
             field, (old, new) = next(iter(changed.items()))
             raise ConfigError(
@@ -330,6 +358,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.step = state["step"]
+        self.best_length = float(state.get("best_length", 0.0))
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
