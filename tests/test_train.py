@@ -224,3 +224,14 @@ def test_recipe_switches(tmp_path):
     assert runs["all"].val["positions"] > 1.5 * runs["frozen"].val["positions"]
     assert runs["noise"].train["loss"] != runs["frozen"].train["loss"]
     assert runs["noise"].train["loss"] == runs["noise2"].train["loss"]
+
+
+def test_resume_with_a_store_of_other_layers_is_refused_in_one_line(tmp_path):
+    target, data, weights, config = setup(count=4)
+    cfg = TrainConfig(max_steps=2, batch_size=2, ttt_steps=2, val_fraction=0)
+    run(cfg, data, weights, config, tmp_path)
+    other = Eagle3Config.from_target(target, 64, (1, 2, 3), fingerprint="test")
+    with pytest.raises(ConfigError) as err:
+        run(cfg.model_copy(update={"max_steps": 4}), data, weights, other, tmp_path)
+    first_line = str(err.value).splitlines()[0]
+    assert "drafter aux_layer_ids=(0, 2, 3)" in first_line and "aux_layer_ids=(1, 2, 3)" in first_line

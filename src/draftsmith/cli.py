@@ -175,6 +175,12 @@ def train(
     fsdp: Annotated[bool, typer.Option(help="under torchrun: shard the drafter over the processes (FSDP), not DDP")] = (
         False
     ),
+    norm_before_fc: Annotated[bool, typer.Option(help="layer variant: RMSNorm over the 3 features before fc")] = False,
+    fc_norm: Annotated[bool, typer.Option(help="layer variant: one RMSNorm per aux layer before fc")] = False,
+    norm_before_residual: Annotated[bool, typer.Option(help="layer variant: residual is hidden_norm(h)")] = False,
+    norm_output: Annotated[bool, typer.Option(help="layer variant: carry the normed output hidden")] = False,
+    qk_norm: Annotated[bool, typer.Option(help="layer variant: Qwen3's per-head q/k RMSNorm")] = False,
+    sliding_window: Annotated[int | None, typer.Option(help="layer variant: attend to the last W positions")] = None,
     weight_decay: float = 0.0,
     freeze_lm_head: Annotated[bool, typer.Option(help="keep the target's head rows frozen (speculators)")] = True,
     all_positions: Annotated[bool, typer.Option(help="train on prompt tokens too (target's distribution)")] = False,

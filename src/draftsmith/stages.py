@@ -113,7 +113,7 @@ def train(
 ) -> TrainResult:
     """Train on an extract store, or with `online` on a data stage directory (features computed as samples are
     drawn, from the states entering `layers`)."""
-    from draftsmith.drafters.eagle3 import Eagle3Config
+    from draftsmith.drafters.eagle3 import VARIANTS, Eagle3Config
     from draftsmith.train.trainer import train as run_train
     from draftsmith.vocab import DraftVocab
 
@@ -128,7 +128,11 @@ def train(
     dataset.check_compatible(target)
     draft_vocab = DraftVocab.load(vocab_dir)
     model_config = Eagle3Config.from_target(
-        target, len(draft_vocab.d2t), dataset.layer_ids, fingerprint=dataset.manifest["target_fingerprint"]
+        target,
+        len(draft_vocab.d2t),
+        dataset.layer_ids,
+        fingerprint=dataset.manifest["target_fingerprint"],
+        **{k: getattr(cfg, k) for k in VARIANTS},  # the layer variant the train settings ask for
     )
     head = target.model.get_output_embeddings().weight.detach()
     embed = target.model.get_input_embeddings().weight.detach()
@@ -177,7 +181,9 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     if twin is None:
         reports = evaluate_drafters(target, drafters, dataset, prompts, cfg)
     else:
-        adaptive, fixed, *others = evaluate_drafters(target, [drafters[0], twin, *drafters[1:]], dataset, prompts, cfg, 2)
+        adaptive, fixed, *others = evaluate_drafters(
+            target, [drafters[0], twin, *drafters[1:]], dataset, prompts, cfg, 2
+        )
         reports = [merge_fixed(adaptive, fixed), *others]
     for i, (spec, report) in enumerate(zip(specs, reports, strict=True)):
         report["drafter_checkpoint"] = str(checkpoint_dir(spec)) if Path(spec).is_dir() else None

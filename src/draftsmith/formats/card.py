@@ -79,15 +79,13 @@ def render_card(
         "",
         "## Architecture",
         "",
-        "One Llama decoder layer whose attention reads cat(input_layernorm(embed(token)), hidden_norm(h)); the "
-        "residual is h itself; no norm before `fc`; the final `norm` feeds `lm_head`, and the *pre-norm* output "
-        "hidden is the next draft step's h. As speculators switches: `norm_before_residual: false`, "
-        "`norm_before_fc: false`, `fc_norm: false`, `norm_output: false`.",
+        _architecture(config),
         "",
-        "Not expressible by these switches, stated here instead: the layer is Llama-style whatever the target's "
-        "family (no q/k norms, no biases, plain RoPE with theta "
-        f"{config.rope_theta:g}); the token embeddings are the target's own, frozen and not shipped (engines share "
-        "the target's).",
+        "Not expressible by these switches, stated here instead: the layer is "
+        + ("Qwen3-style (q/k norms" if config.qk_norm else "Llama-style whatever the target's family (no q/k norms")
+        + f", no biases, plain RoPE with theta {config.rope_theta:g}"
+        + (f", a sliding window of {config.sliding_window} positions" if config.sliding_window else "")
+        + "); the token embeddings are the target's own, frozen and not shipped (engines share the target's).",
         "",
         "## Data and training",
         "",
@@ -149,3 +147,29 @@ def _acceptance_lines(acc: dict[str, Any] | None, training: dict[str, Any] | Non
             f"(acc_k = {', '.join(f'{a:.2f}' for a in training['val_acc'])})"
         )
     return lines
+
+
+def _architecture(config: Eagle3Config) -> str:
+    """The layer in words, then as speculators' switches."""
+    fc = (
+        "`input_norm` (one RMSNorm over the 3H features) before `fc`"
+        if config.norm_before_fc
+        else "one RMSNorm per aux layer (`fc_norm.i`) before `fc`"
+        if config.fc_norm
+        else "no norm before `fc`"
+    )
+    residual = "hidden_norm(h)" if config.norm_before_residual else "h itself"
+    carried = (
+        "the *normed* output (`norm`) is both what `lm_head` reads and"
+        if config.norm_output
+        else "the final `norm` feeds `lm_head`, and the *pre-norm* output hidden is"
+    )
+    switches = ", ".join(
+        f"`{k}: {str(getattr(config, k)).lower()}`"
+        for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+    )
+    return (
+        f"One {'Qwen3' if config.qk_norm else 'Llama'} decoder layer whose attention reads "
+        f"cat(input_layernorm(embed(token)), hidden_norm(h)); the residual is {residual}; {fc}; {carried} the next "
+        f"draft step's h. As speculators switches: {switches}."
+    )

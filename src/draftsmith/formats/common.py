@@ -151,8 +151,10 @@ def build_config(
     aux: tuple[int, ...],
     provenance: dict[str, Any],
     where: str,
+    variant: dict[str, Any] | None = None,
 ) -> Eagle3Config:
-    """Our config from a Llama-layer description (`tl`), used by both foreign layouts."""
+    """Our config from a Llama-layer description (`tl`), used by both foreign layouts; `variant` sets the layer
+    variant fields (`drafters.eagle3.VARIANTS`), already checked by the caller."""
     if len(aux) != 3:
         raise DraftsmithError(
             f"{where}: {len(aux)} aux hidden-state layers {list(aux)}; draftsmith's EAGLE-3 fuses exactly 3",
@@ -178,6 +180,7 @@ def build_config(
             aux_layer_ids=aux,
             target=str(provenance.get("target") or verifier_of(raw) or ""),
             target_fingerprint=str(provenance.get("target_fingerprint") or ""),
+            **(variant or {}),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DraftsmithError(

@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.errors import DraftsmithError
 from draftsmith.formats.common import (
     EMBED_KEY,
@@ -25,6 +26,7 @@ from draftsmith.formats.common import (
     expected_shapes,
     load_weights,
     read_json,
+    required_keys,
 )
 from draftsmith.formats.load import build_model, checkpoint_dir, detect_format, read_drafter
 from draftsmith.formats.speculators import to_speculators_key
@@ -86,14 +88,16 @@ def diagnose(
     return checks
 
 
-def engine_keys(fmt: str) -> set[str]:
-    """The weight names the format's engine loads (the frozen embeddings are optional everywhere)."""
-    names = [to_speculators_key(k) for k in OUR_KEYS] if fmt == "speculators" else list(OUR_KEYS)
+def engine_keys(fmt: str, config: Eagle3Config | None = None) -> set[str]:
+    """The weight names the format's engine loads for a drafter with `config` (the original layer without one;
+    the frozen embeddings are optional everywhere)."""
+    ours = required_keys(config) if config is not None else OUR_KEYS
+    names = [to_speculators_key(k) for k in ours] if fmt == "speculators" else list(ours)
     return set(names) | {EMBED_KEY}
 
 
 def check_keys(fmt: str, weights: dict[str, torch.Tensor], converted: Converted | None) -> Check:
-    known = engine_keys(fmt)
+    known = engine_keys(fmt, converted.config if converted is not None else None)
     required = known - {EMBED_KEY}
     if converted is not None and converted.config.draft_vocab_size == converted.config.vocab_size:
         required -= {"d2t", "t2d"}  # a full-vocabulary drafter needs no mapping
@@ -113,7 +117,9 @@ def check_config(fmt: str, converted: Converted) -> Check:
     raw = converted.raw_config
     if fmt == "speculators" and "norm_before_residual" not in raw:
         return Check("config", "WARN", "norm_before_residual is missing: vLLM then assumes true, draftsmith false")
-    return Check("config", "PASS", "architecture switches match draftsmith's EAGLE-3 layer")
+    variant = converted.config.variant()
+    what = ", ".join(f"{k}={v}" for k, v in variant.items()) if variant else "the original EAGLE-3 layer"
+    return Check("config", "PASS", f"architecture switches are ones draftsmith's EAGLE-3 layer runs ({what})")
 
 
 def check_shapes(converted: Converted, target: Target | None) -> Check:

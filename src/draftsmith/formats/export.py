@@ -138,7 +138,8 @@ def training_summary(ckpt: Path) -> dict[str, Any] | None:
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         val = [r for r in rows if r.get("split") == "val" and r.get("step", 0) <= summary["steps"]]
         if val:
-            accs = [val[-1][key] for key in sorted((k for k in val[-1] if k.startswith("acc_")), key=_step_of)]
+            steps = (k for k in val[-1] if k.removeprefix("acc_").isdigit())  # acc_k, not acc_draft_k
+            accs = [val[-1][key] for key in sorted(steps, key=_step_of)]
             summary["val_step"] = val[-1]["step"]
             summary["val_acc"] = accs
             summary["val_acceptance_length_estimate"] = expected_acceptance(accs)

@@ -14,6 +14,10 @@ flavours:
 
 Our provenance block records which flavour wrote the ids, so `read` converts our own exports exactly; a foreign
 directory is read with SGLang's current rule.
+
+The layout describes the original EAGLE-3 layer only: a drafter with a layer variant (speculators' norm switches,
+q/k norms, a sliding window; see `drafters.eagle3`) is refused on export, with `--format speculators` as the way
+out, and a native config that declares one is refused on import.
 """
 
 from __future__ import annotations
@@ -53,6 +57,13 @@ def engine_ids(config: Eagle3Config, flavour: str) -> list[int]:
 
 
 def export_config(config: Eagle3Config, flavour: str, dtype: str, provenance: dict[str, Any]) -> dict[str, Any]:
+    variant = config.variant()
+    if variant:
+        raise DraftsmithError(
+            f"the {flavour} layout cannot express this drafter's layer variant "
+            f"{', '.join(f'{k}={v}' for k, v in variant.items())}: its engines run the original EAGLE-3 layer only",
+            hint="export with --format speculators (vLLM), or train without the variant",
+        )
     return {
         "architectures": [ARCHITECTURES[0]],
         "model_type": "llama",
@@ -112,6 +123,8 @@ def read(raw: dict[str, Any], weights: dict[str, torch.Tensor], num_layers: int 
     for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         if raw.get(key):
             unsupported.append(f"{key}=true")
+    if (raw.get("layer_types") or [None])[0] == "sliding_attention" and raw.get("sliding_window"):
+        unsupported.append(f"sliding_window={raw['sliding_window']}")
     scaling = raw.get("rope_scaling") or {}
     if scaling.get("rope_type", scaling.get("type", "default")) != "default":
         unsupported.append(f"rope_scaling={scaling}")

@@ -222,7 +222,7 @@ def sliding_window(tl: dict[str, Any], layer_type: str) -> int | None:
     window = tl.get("sliding_window")
     layer_types = tl.get("layer_types")
     if layer_type == "qwen3":
-        window = window if tl.get("use_sliding_window", False) else None
+        window = tl.get("sliding_window", 4096) if tl.get("use_sliding_window", False) else None
         if layer_types is None:
             sliding = window is not None and tl.get("max_window_layers", 28) <= 0
             layer_types = ["sliding_attention" if sliding else "full_attention"]

@@ -62,6 +62,14 @@ class TrainConfig(StageConfig):
     bf16: bool = False  # bf16 autocast (CPU or CUDA); weights, optimiser and losses stay fp32
     max_length: int = Field(default=2048, ge=3)  # longer sequences are truncated
     fsdp: bool = False  # under torchrun: shard the drafter over the processes (FSDP2) instead of replicating it
+    # The drafter's layer variant (speculators' switches; see drafters/eagle3.py): stages.train passes them to
+    # Eagle3Config.from_target. All off is the original EAGLE-3 layer.
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = Field(default=None, ge=1)
     freeze_lm_head: bool = True  # keep the target's head rows (as speculators does): fewer weights to overfit
     all_positions: bool = False  # train on every position (prompt tokens too): the label is the target's anyway
     feature_noise: float = Field(default=0.0, ge=0)  # N(0, (noise * rms(f))^2) added to the target features

@@ -1,0 +1,183 @@
+"""Data throughput: how many target-written tokens the data stage makes per second, against what a forward allows.
+
+Three measurements in one run, on the same prompts and the same (packed) target:
+
+- prefill: one forward (no cache, `logits_to_keep=1`) over batches of the regenerated prompt+answer rows, sorted
+  by length so little padding is computed. The upper bound: every weight read once serves a whole batch of tokens.
+- regeneration: `draftsmith.data.regenerate.regenerate` (the `draftsmith data --regenerate` code path, greedy) over
+  the prompts at `--batch-size`; tokens/s counts every token the target wrote, stop tokens included.
+- extraction: `draftsmith.store.extract` (the `draftsmith extract` code path, bf16 shards) over the regenerated
+  conversations; tokens/s counts prompt and answer tokens. The target's fingerprint is computed once up front,
+  as the stage computes it once per store.
+
+Each measurement runs `--repeats` times, interleaved (the order rotates every round) after one warm-up of each,
+so the noise of a shared machine hits all three alike; medians are printed with the number of runs. Regeneration
+must write the same tokens every run (greedy). The script prints a measurement and always exits 0; measure on a
+quiet machine (`../shared/tools/quiet`).
+
+    .venv/bin/python benchmarks/data_throughput.py [--prompts 64] [--max-new-tokens 128] [--batch-size 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from draftsmith.data import regenerate as regenerate_module
+from draftsmith.data.sources import Conversation, load_eval_prompts
+from draftsmith.data.tokenize import tokenize_conversation
+from draftsmith.pipeline import load_pipeline
+from draftsmith.store import extract
+from draftsmith.target import Target, load_target
+
+PROMPT_FILES = ("mt_bench_questions.jsonl", "gsm8k_test.jsonl")  # first turns of each, alternating
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    cpu_batch = load_pipeline("eagle3", "cpu-full").data.batch_size
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m", help="built-in name, HF directory or hub id")
+    parser.add_argument("--batch-size", type=int, default=cpu_batch, help="regeneration batch (cpu profiles' data)")
+    parser.add_argument("--prompts", type=int, default=2 * cpu_batch, help="number of prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="per answer, as in the cpu profiles")
+    parser.add_argument("--extract-max-length", type=int, default=512, help="as in the cpu profiles")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each measurement")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--data-dir", type=Path, default=os.environ.get("DRAFTSMITH_DATA"), help="benchmark prompts")
+    return parser.parse_args(argv)
+
+
+def load_prompts(data_dir: Path | None, n: int) -> tuple[str, list[Conversation]]:
+    """First turns of MT-bench and GSM8K alternating when the data folder has them, else the builtin prompts."""
+    files = [Path(data_dir) / name for name in PROMPT_FILES] if data_dir else []
+    if files and all(f.is_file() for f in files):
+        lists = [load_eval_prompts(str(f), limit=n)[1] for f in files]
+        mixed = [c for group in zip(*lists, strict=False) for c in group][:n]
+        if len(mixed) == n:
+            return " + ".join(f.name for f in files), mixed
+    _, builtin = load_eval_prompts("builtin")
+    return "builtin", [builtin[i % len(builtin)] for i in range(n)]  # repeated when n exceeds the 60 builtins
+
+
+class Counted:
+    """Wraps `generate_batch` so a regeneration run can report exactly how many tokens the target wrote."""
+
+    def __init__(self, inner: Callable) -> None:
+        self.inner, self.tokens = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        outputs = self.inner(*args, **kwargs)
+        self.tokens += sum(len(tokens) + ended for tokens, ended in outputs)
+        return outputs
+
+
+def run_regenerate(target: Target, convs: list[Conversation], args, work: Path) -> tuple[int, float, str]:
+    """(tokens written, seconds, the output text) of one regeneration into a fresh file."""
+    out = Path(tempfile.mkdtemp(dir=work)) / "regenerated.jsonl"
+    counted = Counted(regenerate_module.generate_batch)
+    regenerate_module.generate_batch = counted
+    try:
+        start = time.perf_counter()
+        regenerate_module.regenerate(
+            target, convs, out, temperature=0.0, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+            seed=0, progress=False,
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+    finally:
+        regenerate_module.generate_batch = counted.inner
+    return counted.tokens, seconds, out.read_text()
+
+
+def run_prefill(target: Target, rows: list[list[int]], batch_size: int) -> tuple[int, float]:
+    """(tokens, seconds) of forwards over `rows` in length-sorted, right-padded batches of `batch_size`."""
+    model = target.model
+    rows = sorted(rows, key=len)
+    pad = target.tokenizer.pad_token_id or 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(rows), batch_size):
+            batch = rows[i : i + batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([r + [pad] * (width - len(r)) for r in batch])
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in batch])
+            model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+    return sum(map(len, rows)), time.perf_counter() - start
+
+
+def run_extract(target: Target, samples: list, args, work: Path) -> tuple[int, float]:
+    out = Path(tempfile.mkdtemp(dir=work)) / "store"
+    start = time.perf_counter()
+    extract(target, samples, out, dtype="bfloat16", max_length=args.extract_max_length, progress=False,
+            console=_quiet_console())  # fmt: skip
+    return sum(min(len(s[1]), args.extract_max_length) for s in samples), time.perf_counter() - start
+
+
+def _quiet_console():
+    from rich.console import Console
+
+    return Console(file=open(os.devnull, "w"))  # noqa: SIM115 - lives as long as the run
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    source, convs = load_prompts(args.data_dir, args.prompts)
+    target = load_target(args.target)
+    fingerprint = target.fingerprint()
+    target.fingerprint = lambda: fingerprint  # once per run, as the extract stage computes it once per store
+    regenerate_module.console.quiet = True
+    print(
+        f"{target.name}, {args.threads} threads: {len(convs)} prompts ({source}), batch {args.batch_size}, "
+        f"{args.max_new_tokens} new tokens, greedy; {args.repeats} interleaved runs of each after a warm-up",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        # Warm-up, and the regenerated conversations that prefill and extraction run over.
+        _, _, text = run_regenerate(target, convs, args, work)
+        regenerated = [Conversation(r["id"], r["messages"]) for r in map(json.loads, text.splitlines())]
+        samples = []
+        for conv in regenerated:
+            ids, mask = tokenize_conversation(target.tokenizer, conv.messages, args.extract_max_length, conv_id=conv.id)
+            samples.append((conv.id, ids, mask))
+        rows = [ids for _, ids, _ in samples]
+        run_prefill(target, rows[: args.batch_size], args.batch_size)
+        run_extract(target, samples[:2], args, work)
+
+        rates: dict[str, list[float]] = {"prefill": [], "regeneration": [], "extraction": []}
+        identical = 0
+        for r in range(args.repeats):
+            order = ["prefill", "regeneration", "extraction"]
+            order = order[r % 3 :] + order[: r % 3]
+            for name in order:
+                if name == "prefill":
+                    tokens, seconds = run_prefill(target, rows, args.batch_size)
+                elif name == "regeneration":
+                    tokens, seconds, again = run_regenerate(target, convs, args, work)
+                    identical += again == text
+                else:
+                    tokens, seconds = run_extract(target, samples, args, work)
+                rates[name].append(tokens / seconds)
+                print(f"  round {r + 1}: {name:<12} {tokens:>7} tokens in {seconds:7.2f} s = {tokens / seconds:7.1f} "
+                      "tokens/s", flush=True)  # fmt: skip
+
+    median = {name: statistics.median(v) for name, v in rates.items()}
+    print()
+    for name, value in median.items():
+        print(f"{name:<12} {value:8.1f} tokens/s  (median of {len(rates[name])} runs)")
+    print(f"regeneration / prefill = {median['regeneration'] / median['prefill']:.2f}")
+    print(f"extraction / prefill   = {median['extraction'] / median['prefill']:.2f}")
+    print(f"regeneration identical to the warm-up run: {identical}/{args.repeats}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
