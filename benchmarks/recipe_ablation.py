@@ -38,6 +38,7 @@ VARIANTS = (
     "weight-decay:weight_decay=0.01",
     "feature-noise:feature_noise=0.05",
     "all-positions:all_positions=true",
+    "muon:optimizer=muon",
     "norms-on:norm_before_fc=true,norm_before_residual=true,norm_output=true",
 )
 

@@ -121,9 +121,11 @@ def test_files_written_and_checkpoint_loads(tmp_path):
     assert drafter.aux_layer_ids == LAYERS
 
 
-def test_resume_retraces_an_uninterrupted_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_retraces_an_uninterrupted_run(tmp_path, monkeypatch, optimizer):
     _, data, weights, config = setup(count=8)
-    cfg = TrainConfig(max_steps=8, batch_size=2, lr=3e-3, warmup_steps=2, ttt_steps=3, checkpoint_every=3, eval_every=2)
+    cfg = TrainConfig(max_steps=8, batch_size=2, lr=3e-3, warmup_steps=2, ttt_steps=3, checkpoint_every=3, eval_every=2,
+                      optimizer=optimizer)  # fmt: skip
     run(cfg, data, weights, config, tmp_path / "whole")
 
     # Crash in the middle of step 6: step 5 was logged but the last checkpoint is step 3.
@@ -216,6 +218,7 @@ def test_recipe_switches(tmp_path):
             "all": {"all_positions": True},
             "noise": {"feature_noise": 0.5},
             "noise2": {"feature_noise": 0.5},
+            "muon": {"optimizer": "muon"},
         }.items()
     }
     initial = Eagle3Model.from_weights(config, weights[1], weights[0], weights[2], weights[3]).lm_head.weight
@@ -224,6 +227,7 @@ def test_recipe_switches(tmp_path):
     assert runs["all"].val["positions"] > 1.5 * runs["frozen"].val["positions"]
     assert runs["noise"].train["loss"] != runs["frozen"].train["loss"]
     assert runs["noise"].train["loss"] == runs["noise2"].train["loss"]
+    assert runs["muon"].train["loss"] != runs["frozen"].train["loss"]
 
 
 def test_resume_with_a_store_of_other_layers_is_refused_in_one_line(tmp_path):

@@ -185,6 +185,7 @@ def train(
     freeze_lm_head: Annotated[bool, typer.Option(help="keep the target's head rows frozen (speculators)")] = True,
     all_positions: Annotated[bool, typer.Option(help="train on prompt tokens too (target's distribution)")] = False,
     feature_noise: Annotated[float, typer.Option(help="noise on the target features, x rms")] = 0.0,
+    optimizer: Annotated[str, typer.Option(help="adamw | muon (Muon on hidden matrices, AdamW on the rest)")] = "adamw",
 ) -> None:
     """Train an EAGLE-3 drafter with the training-time test (resumes by default; torchrun: DDP, or FSDP with --fsdp)."""
     skip = {"store", "vocab_dir", "out", "target", "algo", "fresh", "online", "layers", "skip"}

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from draftsmith.errors import ConfigError, DataError
 from draftsmith.progress import progress_bar
 from draftsmith.train.losses import target_top, ttt_loss, valid_positions
 from draftsmith.train.metrics import MetricsWriter, StepStats, plot_curves, read_metrics
+from draftsmith.train.optim import build_optimizer
 from draftsmith.util import write_atomic
 
 STATE_FILE = "trainer_state.pt"
@@ -70,6 +72,7 @@ class TrainConfig(StageConfig):
     norm_output: bool = False
     qk_norm: bool = False
     sliding_window: int | None = Field(default=None, ge=1)
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on the hidden matrices, AdamW on the rest
     freeze_lm_head: bool = True  # keep the target's head rows (as speculators does): fewer weights to overfit
     all_positions: bool = False  # train on every position (prompt tokens too): the label is the target's anyway
     feature_noise: float = Field(default=0.0, ge=0)  # N(0, (noise * rms(f))^2) added to the target features
@@ -151,7 +154,9 @@ class Trainer:
 
             self.sharded = shard(self.model, self.head, cfg.ttt_steps, cfg.step_weight)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        if cfg.optimizer == "muon" and self.sharded is not None:
+            raise ConfigError("optimizer muon is not supported with --fsdp yet", hint="use AdamW or DDP")
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr, cfg.weight_decay)
         warmup, total = cfg.warmup_steps, self.total_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total))
         self.step = 0
