@@ -112,7 +112,7 @@ def test_learned_drafter_reports_fixed_chain_next_to_adaptive(tmp_path, capsys):
     target, data, weights, config = setup(count=6)
     run(TrainConfig(max_steps=4, batch_size=2, ttt_steps=2, val_fraction=0), data, weights, config, tmp_path / "run")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "t5 t9 t5 t9"}\n{"prompt": "t7 t8 t7"}\n')
+    prompts.write_text('{"prompt": "t5 t9 t5 t9", "category": "a"}\n{"prompt": "t7 t8 t7", "category": "b"}\n')
     cfg = EvalConfig(drafter=str(tmp_path / "run"), dataset=str(prompts), max_new_tokens=16, num_draft_tokens=3,
                      out=tmp_path / "eval")  # fmt: skip
     (report,) = run_eval(cfg, target)
@@ -122,3 +122,7 @@ def test_learned_drafter_reports_fixed_chain_next_to_adaptive(tmp_path, capsys):
     assert report["drafts_by_position_fixed"][0] > 0  # the fixed chain drafts every round
     assert len(report["acceptance_by_position_fixed"]) == 3
     assert "fixed chain: acceptance length" in (tmp_path / "eval" / "report.md").read_text()
+    # by kind of prompt: each kind's own tokens per forward, for both policies
+    assert report["by_kind"].keys() == report["by_kind_fixed"].keys() == {"a", "b"}
+    runs = {p["kind"]: p for p in report["per_prompt"]}
+    assert report["by_kind"]["a"]["acceptance_length"] == pytest.approx(runs["a"]["acceptance_length"])

@@ -141,9 +141,11 @@ def _summarise(target, drafter, dataset, prompts, cfg: EvalConfig, runs) -> dict
         "baseline_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps,
         "mismatches": sum(s.tokens != b for s, b, _ in runs) if cfg.temperature == 0 else None,
+        "by_kind": _by_kind(prompts, [s for s, _, _ in runs]),
         "per_prompt": [
             {
                 "id": conv.id,
+                "kind": conv.kind,
                 "new_tokens": len(s.tokens),
                 "acceptance_length": s.acceptance_length,
                 "spec_seconds": s.seconds,
@@ -156,13 +158,27 @@ def _summarise(target, drafter, dataset, prompts, cfg: EvalConfig, runs) -> dict
 
 
 FIXED_KEYS = ("acceptance_length", "acceptance_by_position", "drafts_by_position", "spec_tokens_per_s", "speedup",
-              "mismatches")  # fmt: skip
+              "mismatches", "by_kind")  # fmt: skip
 
 
 def merge_fixed(report: dict, fixed: dict) -> dict:
     """The adaptive report with the same drafter's fixed-chain run added as `<key>_fixed`: the drafter's quality
     (what papers, vLLM and SGLang report) next to what the adaptive budget makes of it end to end."""
     return report | {f"{key}_fixed": fixed[key] for key in FIXED_KEYS}
+
+
+def _by_kind(prompts: list[Conversation], runs: list[Generation]) -> dict[str, dict]:
+    """Acceptance length per kind of prompt (MT-bench category, ...): where a drafter carries and where not."""
+    kinds: dict[str, list[Generation]] = {}
+    for conv, run in zip(prompts, runs, strict=True):
+        kinds.setdefault(conv.kind or "unknown", []).append(run)
+    return {
+        kind: {
+            "prompts": len(group),
+            "acceptance_length": sum(len(g.tokens) for g in group) / sum(g.target_forwards for g in group),
+        }
+        for kind, group in sorted(kinds.items())
+    }
 
 
 SUMMARY_ROWS = [
@@ -208,6 +224,14 @@ def render_markdown(report: dict) -> str:
             for i, (p, n) in enumerate(
                 zip(report[f"acceptance_by_position{suffix}"], report[f"drafts_by_position{suffix}"], strict=True)
             )
+        ]
+    if len(report["by_kind"]) > 1:
+        fixed = report.get("by_kind_fixed", {})
+        lines += ["", "| kind | prompts | acceptance length | fixed chain |", "| --- | ---: | ---: | ---: |"]
+        lines += [
+            f"| {kind} | {row['prompts']} | {row['acceptance_length']:.2f} | "
+            + (f"{fixed[kind]['acceptance_length']:.2f} |" if kind in fixed else "- |")
+            for kind, row in report["by_kind"].items()
         ]
     return "\n".join(lines) + "\n"
 

@@ -28,6 +28,7 @@ class Conversation:
 
     id: str
     messages: list[Message]
+    kind: str | None = None  # what is asked (MT-bench's category, "math" for GSM8K, ...): evaluation reports by kind
 
 
 # ShareGPT and its cousins spell roles many ways; map each to the four roles chat templates know.
@@ -141,7 +142,8 @@ def record_to_conversation(record: dict[str, Any], where: str, index: int | None
         )
     if not messages:
         raise DataError(f"{where}: expected at least one message, found none", hint="remove empty records")
-    return Conversation(id=conv_id, messages=messages)
+    kind = record.get("category")
+    return Conversation(id=conv_id, messages=messages, kind=kind if isinstance(kind, str) else None)
 
 
 def _to_message(turn: Any, where: str) -> Message:
@@ -201,6 +203,7 @@ _NAMED = {
     "gsm8k": _Named("gsm8k_test.jsonl", "openai/gsm8k", "main", "test", dict),
 }
 KNOWN_DATASETS = ("builtin", *_NAMED)
+_DATASET_KINDS = {"gsm8k": "math", "humaneval": "code"}  # sets of one kind; MT-bench's records name theirs
 
 
 def load_eval_prompts(
@@ -225,7 +228,8 @@ def load_eval_prompts(
             f"dataset {dataset!r}: expected at least one prompt, found none", hint="check the file and limit"
         )
     name = dataset if dataset in KNOWN_DATASETS else path.name
-    return name, [Conversation(c.id, first_prompt(c)) for c in convs]
+    kind = _DATASET_KINDS.get(dataset)
+    return name, [Conversation(c.id, first_prompt(c), c.kind or kind) for c in convs]
 
 
 def _load_named(name: str, data_dir: Path | None, limit: int | None) -> list[Conversation]:
