@@ -14,19 +14,28 @@ Toy check (seconds of training): `--store /tmp/vs/extract --vocab /tmp/vs/vocab 
 
 **speculators' side** runs `speculators.train.cli.main` (its `speculators train` entry point) with its default
 config (`TrainConfig` defaults: eagle3, one llama layer, norm_before_fc / norm_before_residual / norm_output on,
-Muon + AdamW at lr 1e-3, linear schedule with 1 % warm-up, KL loss, equal TTT step weights, 8192 packed tokens per
-step, bf16 autocast, 90/10 train/validation split, a checkpoint and a validation per epoch, `checkpoint_best`)
-and only these settings: `ttt_steps` = `--chain`, `target_layer_ids` = the store's layer ids, `d2t_path` /
-`t2d_path` = the draft vocabulary, `max_steps` (and `epochs`, so no epoch runs past it) = the steps that fit the
-budget, `num_workers` 0 (its default of 12 spawned loader processes on 2 cores only steals time from training).
-`--spec-set key=value` overrides any other of its fields (e.g. `draft_attn_impl=sdpa`).
+Muon + AdamW at lr 1e-3, linear schedule with 1 % warm-up, KL loss, equal TTT step weights, bf16 autocast, 90/10
+train/validation split, a checkpoint and a validation per epoch, `checkpoint_best`, seed 42) and only these
+settings: `ttt_steps` = `--chain`; `target_layer_ids` = the store's layer ids; `d2t_path` / `t2d_path` = the draft
+vocabulary; `max_steps` = the steps that fit the budget (and `epochs` enough to reach them); and what a CPU needs:
+- `draft_attn_impl=sdpa`: FlexAttention, its default, "does not support backward on CPU";
+- `loss_implementation=eager`: its fused losses "require Triton";
+- `num_workers=0`: its default of 12 spawned loader processes on 2 cores only steals time from training;
+- `total_seq_len` = draftsmith's tokens per step (its batch size x the store's mean sample length, rounded up to a
+  multiple of 64, at least the longest sample) instead of 8192: speculators packs a step's sequences into one row
+  padded to `total_seq_len` and, without FlexAttention, attends densely over the whole row (KV grows to
+  `ttt_steps` x the row), so its cost per token grows with the row: at 8192 one step took 140 s on this machine
+  (toy store, 2 threads) against 2.5 s at 1024. The same tokens per step also makes the batches alike.
+`--spec-set key=value` overrides any of its fields (e.g. `total_seq_len=8192`, `hidden_states_dtype=float32`).
 
-What running it on a CPU needed, all patched here at run time (site-packages is untouched):
+Patched here at run time (site-packages is untouched), all because there is no accelerator:
 - its trainer moves the model and every batch to `get_local_rank()` (the int 0, i.e. cuda:0): patched to "cpu";
 - autocast uses `torch.accelerator`'s device type, "cuda" when there is none: set to "cpu" (bf16 autocast on CPU);
 - its step timer calls `torch.accelerator.synchronize()`, which raises without an accelerator: no-op on CPU;
-- no extra packages: speculators 0.9.0 (installed with --no-deps) imports on this venv as it is (hs-connectors,
-  datasets, openai, pydantic-settings are already there).
+- its `run_training` loop is re-stated without the distributed barriers, with the wall-clock guard below, and
+  stopping at `max_steps` (as written, every epoch after `max_steps` still trains one step).
+No packages had to be installed: speculators 0.9.0 (installed with --no-deps) imports on this venv as it is
+(hs-connectors, datasets, openai, pydantic-settings are already there).
 And one adaptation to the data, not to the CPU: a draftsmith store holds the target's final hidden state *after*
 its final norm (`lm_head(last_hidden)` = the target logits), while speculators' files hold it *before* (vLLM's last
 layer output) and apply the verifier's norm itself; so its `verifier_norm` is replaced by the identity, which makes
@@ -41,7 +50,8 @@ then the final hidden state — speculators' trainer reads `hidden_states[:, :-1
 residual stream entering decoder layer i (transformers' `hidden_states[i]`), which is how speculators and vLLM read
 `eagle_aux_hidden_state_layer_ids`; the checkpoint records the store's ids. The verifier speculators reads
 (config, tokenizer, embeddings, head, final norm) is the built-in target saved as a Hugging Face directory in
-`OUT/verifier`.
+`OUT/verifier`
+(`--target`, default: the target the store records).
 
 **draftsmith's side** runs `draftsmith.stages.train` with `TrainConfig`: `ttt_steps` = `--chain`, the settings of
 the cpu profiles (batch 8, lr 1e-3, max_length 512), warm-up 5 % of the steps, four validations, and `max_steps` =
@@ -53,6 +63,8 @@ counted) measuring its time per optimiser step and the cost of its end-of-epoch 
 guard: when the next step and the final validation + checkpoint would no longer fit, training stops there (the
 schedule then ends early; the table shows planned and done steps). The budget covers each trainer's training loop
 (steps, validations, checkpoints), not building the model or loading data. Each trainer runs in its own process.
+Time is the one measured thing here, so run it on a quiet machine (`../shared/tools/quiet`): a busy one changes
+both trainers' step counts.
 
 The evaluated checkpoint is each trainer's own pick: draftsmith's `best` (validation expected length) and
 speculators' `checkpoint_best` (lowest validation loss), else its last epoch.
@@ -77,18 +89,21 @@ WORKER_FLAG = "--_worker"
 # ------------------------------------------------------------------------------------------------ preparation
 
 
-def save_verifier(out: Path) -> Path:
-    """The built-in target as a Hugging Face directory (config, tokenizer, weights) for speculators to read."""
+def save_verifier(out: Path, target_name: str) -> Path:
+    """The target as a Hugging Face directory (config, tokenizer, weights) for speculators to read."""
     from draftsmith.target import load_target
 
     path = out / "verifier"
-    if (path / "config.json").is_file():
+    stamp = path / "draftsmith_target.txt"
+    if stamp.is_file() and stamp.read_text() == target_name:
         return path
-    target = load_target("smollm2-135m", packed=False)
+    shutil.rmtree(path, ignore_errors=True)
+    target = load_target(target_name, packed=False)
     tmp = path.with_name(f".verifier.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     target.model.save_pretrained(tmp)
     target.tokenizer.save_pretrained(tmp)
+    (tmp / "draftsmith_target.txt").write_text(target_name)
     os.replace(tmp, path)
     return path
 
@@ -186,6 +201,7 @@ class Clock:
 
     def summary(self) -> dict:
         return {
+            "step_times": [round(t, 3) for t in self.steps],
             "wall_s": self.elapsed(),
             "steps_done": len(self.steps),
             "step_s": statistics.median(self.steps[1:] or self.steps) if self.steps else None,
@@ -197,9 +213,9 @@ class Clock:
 
 def worker_speculators(job: dict) -> dict:
     """speculators' own trainer (`speculators.train.cli.main`), patched only where a CPU needs it."""
-    import torch
     import speculators.train.cli as spec_cli
     import speculators.train.trainer as spec_trainer
+    import torch
     from speculators.train.config import TrainConfig
 
     clock = Clock(job.get("budget_s"), job.get("step_s", 0.0), job.get("overhead_s", 0.0))
@@ -284,7 +300,7 @@ def worker_speculators(job: dict) -> dict:
     spec_cli.main(cfg)
     save = Path(job["out"]) / "checkpoints"
     best = save / "checkpoint_best"
-    epochs = sorted((int(p.name) for p in save.iterdir() if p.name.isdigit() and not p.is_symlink()), default=None)
+    epochs = sorted(int(p.name) for p in save.iterdir() if p.name.isdigit() and not p.is_symlink())
     ckpt = best.resolve() if best.exists() else (save / str(epochs[-1]) if epochs else None)
     val = info.get("val") or {}
     if ckpt is not None and (ckpt / "val_metrics.json").is_file():
@@ -379,7 +395,7 @@ def worker_draftsmith(job: dict) -> dict:
     )
     settings.update(job.get("overrides", {}))
     cfg = ds_trainer.TrainConfig(**settings)
-    target = load_target("smollm2-135m")
+    target = load_target(job["target"])
     result = train(cfg, Path(job["store"]), Path(job["vocab"]), Path(job["out"]), target, fresh=True)
     val = result.val or {}
     return {
@@ -484,6 +500,8 @@ def evaluate(name: str, drafter: str, args: argparse.Namespace) -> dict:
     cmd = [
         str(exe) if exe.exists() else "draftsmith",
         "eval",
+        "--target",
+        args.target,
         "--drafter",
         drafter,
         "--dataset",
@@ -526,6 +544,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("runs/vs_speculators"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--target", help="the target the store was made with (default: the one it records)")
     parser.add_argument("--data-dir", type=Path, default=Path(os.environ.get("DRAFTSMITH_DATA", "../shared/data")))
     parser.add_argument("--calibration-steps", type=int, default=4, help="steps timed before each run (not counted)")
     parser.add_argument("--spec-set", action="append", default=[], help="speculators TrainConfig field=value")
@@ -547,13 +566,21 @@ def main() -> int:
     )
 
     start = time.perf_counter()
-    verifier = save_verifier(args.out)
+    args.target = args.target or store.manifest["target"]
+    verifier = save_verifier(args.out, args.target)
     data = convert_store(args.store, args.vocab, args.out)
     print(f"prepared {verifier} and {data} in {time.perf_counter() - start:.0f} s (not counted)", flush=True)
 
     spec_overrides = parse_sets(args.spec_set)
+    ds_overrides = parse_sets(args.ds_set)
+    if "total_seq_len" not in spec_overrides:  # the same tokens per optimiser step as draftsmith's batch (docstring)
+        batch = int(ds_overrides.get("batch_size", DS_BASE["batch_size"]))
+        max_length = int(ds_overrides.get("max_length", DS_BASE["max_length"]))
+        lengths = [min(n, max_length) for n in store.lengths()]
+        per_step = batch * sum(lengths) / len(lengths)
+        spec_overrides["total_seq_len"] = max(max(lengths), 64 * math.ceil(per_step / 64))
     d2t = next(data.glob("d2t-*.npy"))
-    common = {"chain": args.chain, "threads": args.threads}
+    common = {"chain": args.chain, "threads": args.threads, "target": args.target}
     jobs = {
         "speculators": common
         | {
@@ -565,7 +592,7 @@ def main() -> int:
             "overrides": spec_overrides,
             "steps_per_epoch": speculators_steps_per_epoch(
                 data,
-                int(spec_overrides.get("total_seq_len", 8192)),
+                int(spec_overrides["total_seq_len"]),
                 float(spec_overrides.get("train_data_ratio", 0.9)),
                 int(spec_overrides.get("seed", 42)),
             ),
@@ -574,7 +601,7 @@ def main() -> int:
         | {
             "store": str(args.store.resolve()),
             "vocab": str(args.vocab.resolve()),
-            "overrides": parse_sets(args.ds_set),
+            "overrides": ds_overrides,
         },
     }
     kinds = ["speculators", "draftsmith"] if args.only == "both" else [args.only]
