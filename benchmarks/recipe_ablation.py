@@ -104,8 +104,10 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     (args.out / "ablation.json").write_text(json.dumps({"base": base, "rows": rows}, indent=2) + "\n")
-    print(f"\n{args.steps} steps x batch {base['batch_size']} from {args.store}; tau_fixed: chain of {args.chain}, "
-          f"first {len(prompts)} MT-bench first turns, T=0, {args.max_new_tokens} new tokens; val = best checkpoint")  # fmt: skip
+    print(
+        f"\n{args.steps} steps x batch {base['batch_size']} from {args.store}; tau_fixed: chain of {args.chain}, "
+        f"first {len(prompts)} MT-bench first turns, T=0, {args.max_new_tokens} new tokens; val = best checkpoint"
+    )
     print("| variant | change | val top-1 per step | val expected length | tau_fixed |")
     print("| --- | --- | --- | ---: | ---: |")
     for r in rows:

@@ -34,7 +34,8 @@ def test_data_extract_vocab_train_eval_chain(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["mismatches"] == 0 and report["prompts"] == 2
-    assert report["drafter_checkpoint"] == str(tmp_path / "run" / "checkpoints" / "step-000004")
+    best = (tmp_path / "run" / "best").read_text().strip()  # the best validation's checkpoint is what eval loads
+    assert report["drafter_checkpoint"] == str(tmp_path / "run" / best)
 
 
 def test_extract_refuses_an_unfinished_data_stage(tmp_path):

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from draftsmith.config import EvalConfig, StageConfig
+from draftsmith.data.synth import SYNTH_KINDS, check_kinds
 from draftsmith.errors import ConfigError
 from draftsmith.target import Target
 from draftsmith.train.trainer import TrainConfig, TrainResult
@@ -22,6 +23,7 @@ class DataConfig(StageConfig):
     optional_sources: list[str] = []  # used when the file exists (e.g. the shared benchmark folder), else skipped
     regenerate: bool = False
     synth: int = Field(default=0, ge=0)
+    synth_kinds: list[str] = list(SYNTH_KINDS)  # each synthesised prompt steered to one kind, in turns; [] = unsteered
     limit: int | None = Field(default=None, ge=1)
     hf_split: str = "train"
     temperature: float = Field(default=0.0, ge=0.0)
@@ -30,6 +32,14 @@ class DataConfig(StageConfig):
     seed: int = 0
     backend: Literal["transformers", "vllm"] = "transformers"  # the engine that synthesises and regenerates
     backend_options: dict[str, Any] = {}  # vllm: extra `vllm.LLM(...)` arguments, e.g. {tensor_parallel_size: 8}
+
+    @field_validator("synth_kinds")
+    @classmethod
+    def _known_kinds(cls, kinds: list[str]) -> list[str]:
+        try:
+            return list(check_kinds(kinds))
+        except ConfigError as exc:
+            raise ValueError(exc.message) from None
 
 
 class ExtractConfig(StageConfig):
@@ -66,9 +76,9 @@ def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
     backend = get_backend(cfg.backend, target, cfg.backend_options) if target is not None else None
     try:
         return build_dataset(
-            resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth, limit=cfg.limit,
-            hf_split=cfg.hf_split, seed=cfg.seed, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-            batch_size=cfg.batch_size, backend=backend,
+            resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth,
+            synth_kinds=cfg.synth_kinds, limit=cfg.limit, hf_split=cfg.hf_split, seed=cfg.seed,
+            temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, backend=backend,
         )  # fmt: skip
     finally:
         if backend is not None:

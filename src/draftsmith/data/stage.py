@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from itertools import islice
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from draftsmith.data.regenerate import check_unique_ids
 from draftsmith.data.regenerate import regenerate as regenerate_conversations
 from draftsmith.data.sources import KNOWN_DATASETS, Conversation, read_records, record_to_conversation
-from draftsmith.data.synth import synthesize_prompts
+from draftsmith.data.synth import SYNTH_KINDS, check_kinds, synthesize_prompts
 from draftsmith.errors import ConfigError, DataError
 from draftsmith.target import Target, hub_reachable
 from draftsmith.util import write_atomic
@@ -41,6 +43,7 @@ def build_dataset(
     target: Target | None = None,
     regenerate: bool = False,
     synth: int = 0,
+    synth_kinds: Sequence[str] = SYNTH_KINDS,
     limit: int | None = None,
     hf_split: str = "train",
     seed: int = 0,
@@ -53,7 +56,8 @@ def build_dataset(
 
     `sources` are files (ShareGPT / prompt JSONL / JSON, optionally gzipped) or Hugging Face dataset ids
     (`owner/name` or `owner/name:config`, split `hf_split`); `limit` keeps the first N conversations of each source;
-    `synth` adds N prompts the target writes itself. `temperature`, `max_new_tokens` and `batch_size` drive the
+    `synth` adds N prompts the target writes itself, spread evenly over `synth_kinds` (see `draftsmith.data.synth`;
+    empty: unsteered pre-query samples). `temperature`, `max_new_tokens` and `batch_size` drive the
     regeneration (synthesis samples at its own defaults, since a greedy prompt writer writes one prompt).
     `backend` runs the target for synthesis and regeneration (default: transformers; the manifest records it).
     """
@@ -63,6 +67,7 @@ def build_dataset(
         raise ConfigError("--regenerate and --synth need a target model", hint="pass --target")
     if limit is not None and limit < 1:
         raise ConfigError(f"limit must be at least 1, found {limit}", hint="pass a positive --limit or none")
+    synth_kinds = check_kinds(synth_kinds) if synth_kinds else ()
     out_dir = Path(out_dir)
     config = {
         "regenerate": regenerate,
@@ -73,7 +78,7 @@ def build_dataset(
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size,
-    }
+    } | ({"synth_kinds": list(synth_kinds)} if synth > 0 else {})
     inputs = {"sources": list(sources), "config": config, "target": target.name if target else None}
     conversations_path, regenerated_path = out_dir / "conversations.jsonl", out_dir / "regenerated.jsonl"
     manifest_path = out_dir / "manifest.json"
@@ -86,12 +91,14 @@ def build_dataset(
             hint="use a new --out directory, or delete the old one to start over",
         )
     if same_inputs and regenerated_path.exists():  # resume the regeneration over the conversations gathered then
-        conversations = [Conversation(r["id"], r["messages"]) for _, r in read_records(conversations_path)]
+        conversations = [
+            Conversation(r["id"], r["messages"], r.get("kind")) for _, r in read_records(conversations_path)
+        ]
         counts = previous["counts"]
     else:
         conversations, counts = _gather(
-            sources, target, synth=synth, limit=limit, hf_split=hf_split, seed=seed, batch_size=batch_size,
-            backend=backend,
+            sources, target, synth=synth, synth_kinds=synth_kinds, limit=limit, hf_split=hf_split, seed=seed,
+            batch_size=batch_size, backend=backend,
         )  # fmt: skip
         check_unique_ids(conversations)
         if not regenerate:
@@ -125,6 +132,7 @@ def _gather(
     hf_split: str,
     seed: int,
     batch_size: int,
+    synth_kinds: Sequence[str] = (),
     backend: Backend | None = None,
 ) -> tuple[list[Conversation], dict[str, Any]]:
     """All conversations, ids prefixed with their source's name when several inputs are combined."""
@@ -134,13 +142,18 @@ def _gather(
     for source in sources:
         loaded = _load_source(source, limit, hf_split)
         prefix = f"{_short_name(source)}/" if several else ""
-        conversations += [Conversation(prefix + c.id, c.messages) for c in loaded]
+        conversations += [Conversation(prefix + c.id, c.messages, c.kind) for c in loaded]
         per_source[source] = len(loaded)
     synthesised = (
-        synthesize_prompts(target, synth, seed=seed, batch_size=batch_size, backend=backend) if synth > 0 else []
+        synthesize_prompts(target, synth, seed=seed, batch_size=batch_size, kinds=synth_kinds, backend=backend)
+        if synth > 0
+        else []
     )
     conversations += synthesised
     counts = {"sources": per_source, "synth": len(synthesised), "conversations": len(conversations)}
+    per_kind = Counter(c.kind for c in synthesised if c.kind)
+    if per_kind:
+        counts["synth_kinds"] = dict(per_kind)  # prompts per kind, so a short kind shows in the manifest
     return conversations, counts
 
 
@@ -213,7 +226,8 @@ def _regenerated_counts(path: Path) -> dict[str, int]:
 
 
 def _jsonl(conv: Conversation) -> str:
-    return json.dumps({"id": conv.id, "messages": conv.messages}, ensure_ascii=False) + "\n"
+    record = {"id": conv.id, "messages": conv.messages} | ({"kind": conv.kind} if conv.kind else {})
+    return json.dumps(record, ensure_ascii=False) + "\n"
 
 
 def _manifest(inputs: dict[str, Any], counts: dict[str, Any], *, complete: bool, backend: Backend | None) -> str:
