@@ -33,13 +33,14 @@ from draftsmith.train.trainer import TrainConfig
 BASE = dict(batch_size=8, lr=1.0e-3, warmup_steps=10, ttt_steps=4, max_length=512, eval_every=50, checkpoint_every=50)
 VARIANTS = (
     "base",
-    "trained-head:freeze_lm_head=false",
-    "ttt-3:ttt_steps=3",
-    "weight-decay:weight_decay=0.01",
-    "feature-noise:feature_noise=0.05",
+    "logit-lens-init:init=logit_lens",
     "all-positions:all_positions=true",
+    "trained-head:freeze_lm_head=false",
     "muon:optimizer=muon",
     "norms-on:norm_before_fc=true,norm_before_residual=true,norm_output=true",
+    "ttt-3:ttt_steps=3",
+    "feature-noise:feature_noise=0.05",
+    "weight-decay:weight_decay=0.01",
 )
 
 

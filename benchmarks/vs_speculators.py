@@ -494,41 +494,32 @@ def speculators_steps_per_epoch(data: Path, total_seq_len: int, train_ratio: flo
 # ------------------------------------------------------------------------------------------------ evaluation
 
 
-def evaluate(name: str, drafter: str, args: argparse.Namespace) -> dict:
+def evaluate(checkpoints: dict[str, str], args: argparse.Namespace) -> dict[str, dict]:
+    """Both checkpoints in one `draftsmith eval` run: the first as --drafter, the others as --compare, so every
+    prompt's baseline, draftsmith and speculators runs sit back to back against one shared baseline."""
+    from draftsmith.stages import _safe_name
+
     exe = Path(sys.executable).with_name("draftsmith")
-    out = args.out / f"eval-{name}"
-    cmd = [
-        str(exe) if exe.exists() else "draftsmith",
-        "eval",
-        "--target",
-        args.target,
-        "--drafter",
-        drafter,
-        "--dataset",
-        "mt_bench",
-        "--data-dir",
-        str(args.data_dir),
-        "--limit",
-        str(args.prompts),
-        "--max-new-tokens",
-        str(args.max_new_tokens),
-        "--draft-length",
-        "fixed",
-        "--num-draft-tokens",
-        str(args.chain),
-        "--out",
-        str(out),
-    ]
+    out = args.out / "eval"
+    names, drafters = list(checkpoints), list(checkpoints.values())
+    cmd = [str(exe) if exe.exists() else "draftsmith", "eval", "--target", args.target, "--drafter", drafters[0]]
+    for other in drafters[1:]:
+        cmd += ["--compare", other]
+    cmd += ["--dataset", "mt_bench", "--data-dir", str(args.data_dir), "--limit", str(args.prompts),
+            "--max-new-tokens", str(args.max_new_tokens), "--draft-length", "fixed",
+            "--num-draft-tokens", str(args.chain), "--out", str(out)]  # fmt: skip
     print("  $ " + " ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    log = args.out / "logs" / f"eval-{name}.log"
+    log = args.out / "logs" / "eval.log"
     with log.open("w") as handle:
         proc = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, check=False)
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-8:])
-        print(f"  eval of {name} failed (exit {proc.returncode}), log {log}:\n{tail}", flush=True)
-        return {"error": tail.strip().splitlines()[-1] if tail.strip() else f"exit {proc.returncode}"}
-    return json.loads((out / "report.json").read_text())
+        print(f"  eval failed (exit {proc.returncode}), log {log}:\n{tail}", flush=True)
+        error = {"error": tail.strip().splitlines()[-1] if tail.strip() else f"exit {proc.returncode}"}
+        return dict.fromkeys(names, error)
+    dirs = [out] + [out / _safe_name(d) for d in drafters[1:]]
+    return {name: json.loads((d / "report.json").read_text()) for name, d in zip(names, dirs, strict=True)}
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -616,9 +607,10 @@ def main() -> int:
             flush=True,
         )
     if not args.skip_eval:
+        print(f"evaluating {', '.join(reversed(kinds))} against one shared baseline ...", flush=True)
+        reports = evaluate({kind: str(results[kind]["checkpoint"]) for kind in reversed(kinds)}, args)
         for kind in kinds:
-            print(f"evaluating {kind} ...", flush=True)
-            results[kind]["eval"] = evaluate(kind, results[kind]["checkpoint"], args)
+            results[kind]["eval"] = reports[kind]
     (args.out / "summary.json").write_text(json.dumps(results, indent=2, default=str))
     print_table(results, args)
     return 0

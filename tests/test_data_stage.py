@@ -247,6 +247,16 @@ def test_stage_writes_conversations_and_manifest(tmp_path):
     assert not (out / "regenerated.jsonl").exists()
 
 
+def test_skip_holds_out_the_first_records_of_each_source(tmp_path):
+    """`skip` keeps the prompts an evaluation takes from the start of a file out of training."""
+    source = write_jsonl(tmp_path / "chats.jsonl", SHAREGPT)
+    out = build_dataset([str(source)], tmp_path / "data", skip=1, limit=5)
+    assert [r["id"] for r in read_jsonl(out / "conversations.jsonl")] == ["s2"]
+    assert json.loads((out / "manifest.json").read_text())["config"]["skip"] == 1
+    with pytest.raises(ConfigError, match="skip must be at least 0"):
+        build_dataset([str(source)], tmp_path / "bad", skip=-1)
+
+
 def test_stage_regenerates_prompts_and_synth_and_resumes(tmp_path, monkeypatch):
     target = tiny_target(seed=8)
     prompts_file = write_jsonl(tmp_path / "qs.jsonl", [{"question": "t5 t6"}, {"prompt": "t7"}])

@@ -218,3 +218,19 @@ def test_adaptive_budget_is_lossless_and_rests_when_drafts_do_not_pay():
     rounds = out.target_forwards - 1
     assert sum(out.proposed[:1]) < rounds / 4  # few rounds carried a draft
     assert len(calls) < rounds / 2  # and most rounds never ran the drafter at all
+
+
+def test_logit_lens_start_predicts_the_targets_head_on_the_deepest_aux_state():
+    """With `start_from_logit_lens` the untrained drafter's first draft is lm_head(final_norm(h_high)): the layer is
+    the identity and fc passes the deepest aux state through, whatever its scale."""
+    target = tiny_target(2)
+    model = make_model(target)
+    final_norm = target.model.model.norm
+    model.start_from_logit_lens(final_norm.weight.detach())
+    h = model.config.hidden_size
+    aux = torch.randn(1, 5, 3 * h)
+    embeds = model.embed_tokens(torch.randint(0, target.vocab_size, (1, 5)))
+    out, logits = model(embeds, model.fuse(aux), torch.arange(5))
+    assert torch.allclose(out, aux[..., 2 * h :], atol=1e-6)
+    lens = final_norm(3.0 * aux[..., 2 * h :]) @ model.lm_head.weight.T
+    assert torch.allclose(logits, lens, atol=1e-4)

@@ -24,7 +24,7 @@ def test_every_shipped_profile_parses_and_resolves(name):
 
 def test_set_overrides_and_bad_profile():
     cfg = load_pipeline("eagle3", "cpu-demo", ["train.lr=0.005", "vocab.size=1000"])
-    assert cfg.train.lr == 0.005 and cfg.vocab.size == 1000 and cfg.train.ttt_steps == 3  # the profile still applies
+    assert cfg.train.lr == 0.005 and cfg.vocab.size == 1000 and cfg.train.ttt_steps == 4  # the profile still applies
     with pytest.raises(ConfigError, match="no profile"):
         load_pipeline("eagle3", "tpu-64x")
     with pytest.raises(ConfigError, match="train.nope"):

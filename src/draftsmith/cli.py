@@ -93,6 +93,7 @@ def data(
         ),
     ] = None,
     limit: Annotated[int | None, typer.Option(help="first N conversations of each source")] = None,
+    skip: Annotated[int, typer.Option(help="skip the first N records of each source (held out for eval)")] = 0,
     hf_split: str = "train",
     temperature: float = 0.0,
     max_new_tokens: int = 256,
@@ -195,6 +196,9 @@ def train(
     all_positions: Annotated[bool, typer.Option(help="train on prompt tokens too (target's distribution)")] = False,
     feature_noise: Annotated[float, typer.Option(help="noise on the target features, x rms")] = 0.0,
     optimizer: Annotated[str, typer.Option(help="adamw | muon (Muon on hidden matrices, AdamW on the rest)")] = "adamw",
+    init: Annotated[str, typer.Option(help="random | logit_lens (start as the target's head on the top aux layer)")] = (
+        "random"
+    ),
 ) -> None:
     """Train an EAGLE-3 drafter with the training-time test (resumes by default; torchrun: DDP, or FSDP with --fsdp)."""
     skip = {"store", "vocab_dir", "out", "target", "algo", "fresh", "online", "layers", "skip"}

@@ -25,6 +25,7 @@ class DataConfig(StageConfig):
     synth: int = Field(default=0, ge=0)
     synth_kinds: list[str] = list(SYNTH_KINDS)  # each synthesised prompt steered to one kind, in turns; [] = unsteered
     limit: int | None = Field(default=None, ge=1)
+    skip: int = Field(default=0, ge=0)  # records skipped at the start of each source: held out for evaluation
     hf_split: str = "train"
     temperature: float = Field(default=0.0, ge=0.0)
     max_new_tokens: int = Field(default=256, ge=1)
@@ -77,7 +78,7 @@ def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
     try:
         return build_dataset(
             resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth,
-            synth_kinds=cfg.synth_kinds, limit=cfg.limit, hf_split=cfg.hf_split, seed=cfg.seed,
+            synth_kinds=cfg.synth_kinds, limit=cfg.limit, skip=cfg.skip, hf_split=cfg.hf_split, seed=cfg.seed,
             temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, backend=backend,
         )  # fmt: skip
     finally:
@@ -146,7 +147,11 @@ def train(
     )
     head = target.model.get_output_embeddings().weight.detach()
     embed = target.model.get_input_embeddings().weight.detach()
-    return run_train(cfg, dataset, head, embed, draft_vocab.d2t, draft_vocab.t2d, model_config, out, resume=not fresh)
+    norm = getattr(target.model.base_model, "norm", None)  # the final norm, for `init: logit_lens`
+    return run_train(
+        cfg, dataset, head, embed, draft_vocab.d2t, draft_vocab.t2d, model_config, out, resume=not fresh,
+        final_norm=None if norm is None else norm.weight.detach(),
+    )  # fmt: skip
 
 
 def is_data_dir(path: Path) -> bool:

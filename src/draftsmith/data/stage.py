@@ -45,6 +45,7 @@ def build_dataset(
     synth: int = 0,
     synth_kinds: Sequence[str] = SYNTH_KINDS,
     limit: int | None = None,
+    skip: int = 0,
     hf_split: str = "train",
     seed: int = 0,
     temperature: float = 0.0,
@@ -55,7 +56,8 @@ def build_dataset(
     """Build the data stage directory and return it.
 
     `sources` are files (ShareGPT / prompt JSONL / JSON, optionally gzipped) or Hugging Face dataset ids
-    (`owner/name` or `owner/name:config`, split `hf_split`); `limit` keeps the first N conversations of each source;
+    (`owner/name` or `owner/name:config`, split `hf_split`); `limit` keeps the first N conversations of each source
+    after its first `skip` (e.g. the prompts an evaluation uses, held out);
     `synth` adds N prompts the target writes itself, spread evenly over `synth_kinds` (see `draftsmith.data.synth`;
     empty: unsteered pre-query samples). `temperature`, `max_new_tokens` and `batch_size` drive the
     regeneration (synthesis samples at its own defaults, since a greedy prompt writer writes one prompt).
@@ -67,6 +69,8 @@ def build_dataset(
         raise ConfigError("--regenerate and --synth need a target model", hint="pass --target")
     if limit is not None and limit < 1:
         raise ConfigError(f"limit must be at least 1, found {limit}", hint="pass a positive --limit or none")
+    if skip < 0:
+        raise ConfigError(f"skip must be at least 0, found {skip}", hint="pass --skip 0 or more")
     synth_kinds = check_kinds(synth_kinds) if synth_kinds else ()
     out_dir = Path(out_dir)
     config = {
@@ -78,7 +82,7 @@ def build_dataset(
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size,
-    } | ({"synth_kinds": list(synth_kinds)} if synth > 0 else {})
+    } | ({"synth_kinds": list(synth_kinds)} if synth > 0 else {}) | ({"skip": skip} if skip else {})
     inputs = {"sources": list(sources), "config": config, "target": target.name if target else None}
     conversations_path, regenerated_path = out_dir / "conversations.jsonl", out_dir / "regenerated.jsonl"
     manifest_path = out_dir / "manifest.json"
@@ -97,7 +101,7 @@ def build_dataset(
         counts = previous["counts"]
     else:
         conversations, counts = _gather(
-            sources, target, synth=synth, synth_kinds=synth_kinds, limit=limit, hf_split=hf_split, seed=seed,
+            sources, target, synth=synth, synth_kinds=synth_kinds, limit=limit, skip=skip, hf_split=hf_split, seed=seed,
             batch_size=batch_size, backend=backend,
         )  # fmt: skip
         check_unique_ids(conversations)
@@ -130,6 +134,7 @@ def _gather(
     synth: int,
     limit: int | None,
     hf_split: str,
+    skip: int = 0,
     seed: int,
     batch_size: int,
     synth_kinds: Sequence[str] = (),
@@ -140,7 +145,7 @@ def _gather(
     conversations: list[Conversation] = []
     per_source: dict[str, int] = {}
     for source in sources:
-        loaded = _load_source(source, limit, hf_split)
+        loaded = _load_source(source, limit, hf_split, skip)
         prefix = f"{_short_name(source)}/" if several else ""
         conversations += [Conversation(prefix + c.id, c.messages, c.kind) for c in loaded]
         per_source[source] = len(loaded)
@@ -157,7 +162,7 @@ def _gather(
     return conversations, counts
 
 
-def _load_source(source: str, limit: int | None, hf_split: str) -> list[Conversation]:
+def _load_source(source: str, limit: int | None, hf_split: str, skip: int = 0) -> list[Conversation]:
     if source in KNOWN_DATASETS:
         raise DataError(
             f"{source!r} is an evaluation set: training on it would inflate every evaluation",
@@ -166,14 +171,14 @@ def _load_source(source: str, limit: int | None, hf_split: str) -> list[Conversa
         )
     path = Path(source).expanduser()
     if path.exists():
-        records = islice(read_records(path), limit)
-        return [record_to_conversation(r, f"{path}:{n}", index=i) for i, (n, r) in enumerate(records)]
+        records = islice(read_records(path), skip, None if limit is None else skip + limit)
+        return [record_to_conversation(r, f"{path}:{n}", index=skip + i) for i, (n, r) in enumerate(records)]
     if source.endswith(_FILE_SUFFIXES) or source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise DataError(f"{source}: no such file", hint="check the path; dataset files are .jsonl, .jsonl.gz or .json")
-    return _load_hub(source, limit, hf_split)
+    return _load_hub(source, limit, hf_split, skip)
 
 
-def _load_hub(source: str, limit: int | None, split: str) -> list[Conversation]:
+def _load_hub(source: str, limit: int | None, split: str, skip: int = 0) -> list[Conversation]:
     """Rows of a hub dataset (`name` or `name:config`); fails in seconds when offline, never hangs on retries."""
     hint = "pass a local .jsonl/.json file instead; for a dataset already in the `datasets` cache, set HF_HUB_OFFLINE=1"
     try:
@@ -190,11 +195,11 @@ def _load_hub(source: str, limit: int | None, split: str) -> list[Conversation]:
     where = f"{source}[{split}]"
     try:
         rows = datasets.load_dataset(name, config or None, split=split, streaming=limit is not None and not offline)
-        records = [dict(row) for row in islice(rows, limit)]
+        records = [dict(row) for row in islice(rows, skip, None if limit is None else skip + limit)]
     except Exception as e:  # hub, network, cache or split errors all mean the same to the user: no data from here
         reason = (str(e).splitlines() or [""])[0]
         raise DataError(f"{where} could not be loaded: {type(e).__name__}: {reason}", hint=hint) from e
-    return [record_to_conversation(r, f"{where}:{i}", index=i) for i, r in enumerate(records)]
+    return [record_to_conversation(r, f"{where}:{skip + i}", index=skip + i) for i, r in enumerate(records)]
 
 
 def _short_name(source: str) -> str:

@@ -319,6 +319,21 @@ class Eagle3Model(nn.Module):
             model.lm_head.weight.copy_(head_weight[rows.to(head_weight.device)])
         return model
 
+    @torch.no_grad()
+    def start_from_logit_lens(self, final_norm_weight: torch.Tensor) -> None:
+        """Start as the target's "logit lens" on its deepest aux layer: fc passes that layer's state through, the
+        decoder layer's attention and MLP outputs start at zero (so the layer is the identity) and `norm` is the
+        target's final norm. The untrained drafter then predicts lm_head(norm(h_high)), which agrees with the
+        target's next token far more often than a random start (RMSNorm ignores the state's scale), and training
+        has less to learn from little data. The other weights keep their random init, so nothing is stuck at zero
+        once the outputs move."""
+        h = self.config.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, 2 * h :] = torch.eye(h, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+        self.midlayer.self_attn.o_proj.weight.zero_()
+        self.midlayer.mlp.down_proj.weight.zero_()
+        self.norm.weight.copy_(final_norm_weight)
+
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft vocabulary, checking that d2t and t2d describe the same set of target tokens."""
         vd, v = self.config.draft_vocab_size, self.config.vocab_size

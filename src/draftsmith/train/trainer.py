@@ -72,6 +72,7 @@ class TrainConfig(StageConfig):
     norm_output: bool = False
     qk_norm: bool = False
     sliding_window: int | None = Field(default=None, ge=1)
+    init: Literal["random", "logit_lens"] = "random"  # logit_lens: start as lm_head(norm(deepest aux state))
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on the hidden matrices, AdamW on the rest
     freeze_lm_head: bool = True  # keep the target's head rows (as speculators does): fewer weights to overfit
     all_positions: bool = False  # train on every position (prompt tokens too): the label is the target's anyway
@@ -96,6 +97,7 @@ def train(
     model_config: Eagle3Config,
     out_dir: str | Path,
     resume: bool = True,
+    final_norm: torch.Tensor | None = None,
 ) -> TrainResult:
     """Train a drafter on `dataset` (dicts of input_ids, loss_mask, aux_hidden, last_hidden) into `out_dir`.
 
@@ -116,6 +118,10 @@ def train(
         seed_everything(cfg.seed)
         model = Eagle3Model.from_weights(model_config, embed_weight, target_head, d2t, t2d)
         model.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
+        if cfg.init == "logit_lens":
+            if final_norm is None:
+                raise ConfigError("init logit_lens needs the target's final norm weight", hint="use init random")
+            model.start_from_logit_lens(final_norm)
         return Trainer(cfg, dataset, model, target_head, Path(out_dir), device).run(resume)
     finally:
         if owns_group:
