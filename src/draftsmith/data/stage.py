@@ -73,16 +73,20 @@ def build_dataset(
         raise ConfigError(f"skip must be at least 0, found {skip}", hint="pass --skip 0 or more")
     synth_kinds = check_kinds(synth_kinds) if synth_kinds else ()
     out_dir = Path(out_dir)
-    config = {
-        "regenerate": regenerate,
-        "synth": synth,
-        "limit": limit,
-        "hf_split": hf_split,
-        "seed": seed,
-        "temperature": temperature,
-        "max_new_tokens": max_new_tokens,
-        "batch_size": batch_size,
-    } | ({"synth_kinds": list(synth_kinds)} if synth > 0 else {}) | ({"skip": skip} if skip else {})
+    config = (
+        {
+            "regenerate": regenerate,
+            "synth": synth,
+            "limit": limit,
+            "hf_split": hf_split,
+            "seed": seed,
+            "temperature": temperature,
+            "max_new_tokens": max_new_tokens,
+            "batch_size": batch_size,
+        }
+        | ({"synth_kinds": list(synth_kinds)} if synth > 0 else {})
+        | ({"skip": skip} if skip else {})
+    )
     inputs = {"sources": list(sources), "config": config, "target": target.name if target else None}
     conversations_path, regenerated_path = out_dir / "conversations.jsonl", out_dir / "regenerated.jsonl"
     manifest_path = out_dir / "manifest.json"
