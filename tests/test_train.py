@@ -224,7 +224,8 @@ def test_recipe_switches(tmp_path):
     initial = Eagle3Model.from_weights(config, weights[1], weights[0], weights[2], weights[3]).lm_head.weight
     head = {name: load_drafter(tmp_path / name, setup()[0]).model.lm_head.weight for name in ("frozen", "head")}
     assert torch.equal(head["frozen"], initial) and not torch.allclose(head["head"], initial)
-    assert runs["all"].val["positions"] > 1.5 * runs["frozen"].val["positions"]
+    assert runs["all"].train["positions"] > 1.5 * runs["frozen"].train["positions"]
+    assert runs["all"].val["positions"] == runs["frozen"].val["positions"]  # validation scores the same tokens
     assert runs["noise"].train["loss"] != runs["frozen"].train["loss"]
     assert runs["noise"].train["loss"] == runs["noise2"].train["loss"]
     assert runs["muon"].train["loss"] != runs["frozen"].train["loss"]

@@ -229,15 +229,15 @@ class Trainer:
         val_metrics = val_metrics or last.get("val")
         return TrainResult(self.checkpoint_dir(self.step), self.step, train_metrics, val_metrics)
 
-    def _sample(self, index: int) -> dict[str, torch.Tensor]:
+    def _sample(self, index: int, train: bool) -> dict[str, torch.Tensor]:
         """A dataset item plus the target's full-vocabulary argmax per position, computed once per sample: it costs
         12x the draft-vocabulary distribution (49k vs 4k head rows for SmolLM2) and only feeds the accuracy metric.
-        With `all_positions` every token is in the loss: the label is the target's distribution, which exists at
-        prompt tokens too."""
+        With `all_positions` every token is in the training loss: the label is the target's distribution, which
+        exists at prompt tokens too. Validation always scores the assistant tokens, so recipes compare."""
         sample = self.dataset[index]
         if index not in self.target_tops:
             self.target_tops[index] = target_top(sample["last_hidden"].to(self.device), self.head).cpu()
-        if self.cfg.all_positions:
+        if self.cfg.all_positions and train:
             sample = sample | {"loss_mask": torch.ones_like(sample["loss_mask"])}
         return sample | {"target_top": self.target_tops[index]}
 
@@ -250,11 +250,11 @@ class Trainer:
         rms = aux.float().pow(2).mean(-1, keepdim=True).sqrt()
         return batch | {"aux_hidden": aux + self.cfg.feature_noise * rms * torch.randn_like(aux, dtype=torch.float32)}
 
-    def micro_batches(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+    def micro_batches(self, indices: list[int], train: bool = True) -> list[dict[str, torch.Tensor]]:
         mine = indices[self.rank :: self.world]
         size = self.cfg.micro_batch_size
         return [
-            collate([self._sample(i) for i in mine[j : j + size]], self.cfg.max_length, self.device)
+            collate([self._sample(i, train) for i in mine[j : j + size]], self.cfg.max_length, self.device)
             for j in range(0, len(mine), size)
         ]
 
@@ -293,11 +293,11 @@ class Trainer:
         cfg = self.cfg
         stats = StepStats.zeros(cfg.ttt_steps, self.device)
         ones = torch.ones(cfg.ttt_steps, device=self.device)
-        batches: list = self.micro_batches(self.val_idx)
+        batches: list = self.micro_batches(self.val_idx, train=False)
         if self.sharded is not None:  # FSDP: every rank runs as many forwards as the busiest one (collectives)
             most = torch.tensor(len(batches), device=self.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            filler = self.micro_batches(self.val_idx[:1] * self.world)[0]  # its results are discarded
+            filler = self.micro_batches(self.val_idx[:1] * self.world, train=False)[0]  # results discarded
             batches += [None] * (int(most) - len(batches))
         for batch in batches:
             with self.autocast():
