@@ -84,5 +84,5 @@ def test_measured_budget_on_a_real_target():
     target = tiny_target(1)
     drafter = Eagle3Drafter(make_model(target))
     budget = measured_budget(target, drafter.step_probe(), context=16)
-    assert budget.verify_cost >= 1.0 and budget.token_cost >= 0.0 and budget.step_cost > 0.0
+    assert 0.0 < budget.step_cost < 100.0 and budget.verify_cost < 100.0  # timed, in units of a target step
     assert not budget.is_fixed

@@ -54,31 +54,12 @@ def transformer_layer_config(config: Eagle3Config, target_config: dict[str, Any]
     which is Qwen3's layer. The token ids are the target's; without them the library writes LlamaConfig's defaults
     (1, 2, null), and so do we. As speculators writes its own configs, so that it re-saves ours unchanged."""
     if config.qk_norm:
-        layer = {
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "bos_token_id": target_config.get("bos_token_id"),
-            "eos_token_id": target_config.get("eos_token_id"),
-            "pad_token_id": target_config.get("pad_token_id"),
-            "head_dim": config.head_dim,
-            "hidden_act": "silu",
-            "hidden_size": config.hidden_size,
-            "initializer_range": 0.02,
-            "intermediate_size": config.intermediate_size,
+        layer = _common_layer_fields(config, target_config, bos=None, eos=None) | {
             "layer_types": ["full_attention"],
-            "max_position_embeddings": config.max_position_embeddings,
             "max_window_layers": 28,
             "model_type": "qwen3",
-            "num_attention_heads": config.num_attention_heads,
-            "num_hidden_layers": 1,
-            "num_key_value_heads": config.num_key_value_heads,
-            "rms_norm_eps": config.rms_norm_eps,
-            "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
             "sliding_window": None,
-            "tie_word_embeddings": False,
-            "use_cache": True,
             "use_sliding_window": False,
-            "vocab_size": config.vocab_size,
         }
     else:
         layer = llama_layer_config(config, target_config)
@@ -89,11 +70,22 @@ def transformer_layer_config(config: Eagle3Config, target_config: dict[str, Any]
 
 
 def llama_layer_config(config: Eagle3Config, target_config: dict[str, Any]) -> dict[str, Any]:
+    return _common_layer_fields(config, target_config, bos=1, eos=2) | {
+        "mlp_bias": False,
+        "model_type": "llama",
+        "pretraining_tp": 1,
+    }
+
+
+def _common_layer_fields(
+    config: Eagle3Config, target_config: dict[str, Any], bos: int | None, eos: int | None
+) -> dict[str, Any]:
+    """The decoder-layer fields Llama's and Qwen3's configs share; `bos`/`eos` where the target names none."""
     return {
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "bos_token_id": target_config.get("bos_token_id", 1),
-        "eos_token_id": target_config.get("eos_token_id", 2),
+        "bos_token_id": target_config.get("bos_token_id", bos),
+        "eos_token_id": target_config.get("eos_token_id", eos),
         "pad_token_id": target_config.get("pad_token_id"),
         "head_dim": config.head_dim,
         "hidden_act": "silu",
@@ -101,12 +93,9 @@ def llama_layer_config(config: Eagle3Config, target_config: dict[str, Any]) -> d
         "initializer_range": 0.02,
         "intermediate_size": config.intermediate_size,
         "max_position_embeddings": config.max_position_embeddings,
-        "mlp_bias": False,
-        "model_type": "llama",
         "num_attention_heads": config.num_attention_heads,
         "num_hidden_layers": 1,
         "num_key_value_heads": config.num_key_value_heads,
-        "pretraining_tp": 1,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
         "tie_word_embeddings": False,
