@@ -25,7 +25,7 @@ import yaml
 
 from draftsmith.data.sources import load_eval_prompts
 from draftsmith.decode.engine import SpeculativeDecoder
-from draftsmith.drafters import build_drafter
+from draftsmith.formats.load import build_drafter
 from draftsmith.stages import train
 from draftsmith.target import load_target
 from draftsmith.train.trainer import TrainConfig

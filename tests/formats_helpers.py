@@ -14,6 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from draftsmith.cli import app
+from draftsmith.data.tokenize import encode_chat
 from draftsmith.store import extract
 from draftsmith.target import Target, load_target
 from draftsmith.vocab import vocab_from_store
@@ -44,7 +45,10 @@ def trained_setup(root: Path) -> Trained:
 def chat_prompts(target: Target, n: int, seed: int) -> list[list[int]]:
     """User turns of 4 random words `t<id>`, rendered as `draftsmith eval` renders prompts."""
     words = torch.randint(2, target.vocab_size, (n, 4), generator=torch.Generator().manual_seed(seed))
-    return [target.encode_chat([{"role": "user", "content": " ".join(f"t{int(t)}" for t in row)}]) for row in words]
+    return [
+        encode_chat(target.tokenizer, [{"role": "user", "content": " ".join(f"t{int(t)}" for t in row)}])
+        for row in words
+    ]
 
 
 def greedy_samples(target: Target, n: int, new_tokens: int = 48) -> list[tuple[str, list[int], list[int]]]:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from draftsmith.backends import get_backend
+from draftsmith.backends.batch import generate_batch
 from draftsmith.backends.hf import TransformersBackend
-from draftsmith.data.regenerate import generate_batch
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.store import HiddenStateStore, extract
 from draftsmith.target import load_target

@@ -10,11 +10,10 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from draftsmith.cli import app
-from draftsmith.drafters import build_drafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter, read_config, resolve_checkpoint
 from draftsmith.errors import DraftsmithError
 from draftsmith.formats.export import export
-from draftsmith.formats.load import detect_format, load_drafter, read_drafter
+from draftsmith.formats.load import build_drafter, detect_format, load_drafter, read_drafter
 from tests.formats_helpers import LAYERS, trained_setup
 
 FORMATS = ("speculators", "sglang", "eagle")

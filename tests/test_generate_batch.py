@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from draftsmith.data.regenerate import PreallocatedLayer, batch_cache, batched_attention, generate_batch
+from draftsmith.backends.batch import PreallocatedLayer, batch_cache, batched_attention, generate_batch
 from tests.conftest import tiny_target
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33], [40], [50, 51, 52, 53, 54, 55]]

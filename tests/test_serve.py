@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from draftsmith.bench.server_stats import parse_prometheus
 from draftsmith.cli import app
 from draftsmith.config import EvalConfig
+from draftsmith.data.tokenize import encode_chat
 from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.ngram import NgramDrafter
@@ -125,7 +126,7 @@ def test_stream_and_plain_are_identical_and_equal_offline_eval(server, model_dir
     target = load_target(str(model_dir))
     cfg = EvalConfig(max_new_tokens=n)
     for prompt, reply in zip(PROMPTS, served, strict=True):
-        ids = target.encode_chat([{"role": "user", "content": prompt}])
+        ids = encode_chat(target.tokenizer, [{"role": "user", "content": prompt}])
         spec = SpeculativeDecoder(target, NgramDrafter(), 4).generate(ids, n).tokens
         base, _ = baseline_generate(target, ids, cfg, seed=0)
         assert spec == base
@@ -381,7 +382,9 @@ def test_interleaved_requests_decode_exactly_as_one_at_a_time(kind):
     scheduler = Scheduler(target, drafter, metrics, num_draft_tokens=4, max_active=3, max_queue=8)
     prompts = ["t5 t6 t7", "t9 t9 t9 t9", "t20 t30 t40 t50", "t11 t12", "t40 t41 t42"]
     requests = [
-        GenerationRequest(target.encode_chat([{"role": "user", "content": p}]), 30, temperature=0.8 * (i % 2), seed=i)
+        GenerationRequest(
+            encode_chat(target.tokenizer, [{"role": "user", "content": p}]), 30, temperature=0.8 * (i % 2), seed=i
+        )
         for i, p in enumerate(prompts)
     ]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import draftsmith.store as store_mod
+from draftsmith.data.tokenize import encode_chat
 from draftsmith.errors import ConfigError, DataError, DraftsmithError
 from draftsmith.store import (
     HiddenStateStore,
@@ -284,7 +285,7 @@ def test_reader_is_lazy_and_picklable_for_dataloader_workers(tmp_path):
 
 @pytest.mark.integration
 def test_smollm2_store_uses_the_default_layers_and_size(smollm2, tmp_path):
-    ids = smollm2.encode_chat([{"role": "user", "content": "Hi"}])
+    ids = encode_chat(smollm2.tokenizer, [{"role": "user", "content": "Hi"}])
     out = extract(smollm2, [("hi", ids, [0] * (len(ids) - 2) + [1, 1])], tmp_path / "s", progress=False)
     store = HiddenStateStore(out)
     assert store.layer_ids == (2, 15, 27) and store.manifest["bytes_per_token"] == 2 * 4 * 576 + 5

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from draftsmith.data.tokenize import encode_chat
 from draftsmith.errors import TargetError
 from draftsmith.target import load_target
 from tests.conftest import tiny_target
@@ -52,7 +53,7 @@ def test_unknown_targets_fail_fast_with_a_hint(monkeypatch, tmp_path):
 def test_builtin_smollm2_loads_with_its_chat_template(smollm2):
     assert smollm2.num_layers == 30 and smollm2.hidden_size == 576 and smollm2.vocab_size == 49152
     assert smollm2.eos_token_ids == {2}  # <|im_end|>
-    ids = smollm2.encode_chat([{"role": "user", "content": "Hi"}])
+    ids = encode_chat(smollm2.tokenizer, [{"role": "user", "content": "Hi"}])
     assert smollm2.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
     out = smollm2.forward(torch.tensor(ids), smollm2.new_cache(), layer_ids=(2, 15, 27), logits_to_keep=1)
     ref = reference_hidden_states(smollm2, ids)

@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 
 from draftsmith.config import EvalConfig
 from draftsmith.data.sources import Conversation
+from draftsmith.data.tokenize import encode_chat
 from draftsmith.decode.engine import Generation, SpeculativeDecoder
 from draftsmith.drafters.base import Drafter
 from draftsmith.progress import progress_bar
@@ -74,7 +75,7 @@ def evaluate_drafters(
     back to back in an order that rotates from prompt to prompt, so machine noise hits every contestant alike.
     The first `everywhere` drafters run on every prompt; the others on the first `cfg.compare_limit` prompts only
     (all when None), against the baseline runs of those prompts."""
-    encoded = [target.encode_chat(c.messages) for c in prompts]
+    encoded = [encode_chat(target.tokenizer, c.messages) for c in prompts]
     for conv, ids in zip(prompts, encoded, strict=True):
         target.check_fits(len(ids), cfg.max_new_tokens, where=f"prompt {conv.id!r} of {dataset}")
     decoders = [SpeculativeDecoder(target, d, cfg.num_draft_tokens) for d in drafters]

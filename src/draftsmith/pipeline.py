@@ -331,6 +331,6 @@ def run_pipeline(
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "pipeline.json", cfg.model_dump_json(indent=2) + "\n")
     stage_status = Runner(cfg, run_dir, resume_command).run()
-    report = write_run_report(run_dir, cfg, stage_status)
+    report = write_run_report(run_dir, cfg.target, stage_status)
     console.print(f"wrote {report}")
     return stage_status

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from draftsmith.util import write_atomic
 
-if TYPE_CHECKING:
-    from draftsmith.pipeline import PipelineConfig
 
-
-def write_run_report(run_dir: Path, cfg: PipelineConfig, stage_status: dict[str, Any]) -> Path:
+def write_run_report(run_dir: Path, target: str, stage_status: dict[str, Any]) -> Path:
     """RUN_DIR/report.md: how long each stage took, the evaluation of every drafter, and the plots."""
-    lines = [f"# draftsmith run: {cfg.target}", "", "| stage | seconds |", "| --- | ---: |"]
+    lines = [f"# draftsmith run: {target}", "", "| stage | seconds |", "| --- | ---: |"]
     lines += [f"| {s} | {e.get('seconds', 0):.0f} |" for s, e in stage_status.items() if e.get("state") == "completed"]
     total = sum(e.get("seconds", 0) for e in stage_status.values())
     lines += [f"| **total** | {total:.0f} |", ""]

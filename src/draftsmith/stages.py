@@ -177,9 +177,9 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     """Evaluate `cfg.drafter` and every drafter in `cfg.compare` against one shared, interleaved baseline; write
     one report per drafter (the first in `cfg.out`, the others in `cfg.out/<name>`)."""
     from draftsmith.data.sources import load_eval_prompts
-    from draftsmith.drafters import build_drafter, fixed_twin
+    from draftsmith.drafters import fixed_twin
     from draftsmith.evaluate import evaluate_drafters, merge_fixed, write_report
-    from draftsmith.formats.load import checkpoint_dir, trained_depth
+    from draftsmith.formats.load import build_drafter, checkpoint_dir, trained_depth
 
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
     specs = [cfg.drafter, *cfg.compare]

@@ -28,7 +28,6 @@ from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.constants import ENDPOINT as HF_ENDPOINT
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.data.tokenize import render_chat
 from draftsmith.errors import TargetError
 from draftsmith.packed import pack_linears
 
@@ -88,11 +87,6 @@ class Target:
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Prompt token ids for a chat, ending with the assistant's generation prompt, rendered as in training."""
-        text = render_chat(self.tokenizer, messages, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, where: str = "prompt") -> None:
         if prompt_len + max_new_tokens > self.context_length:

@@ -1,6 +1,6 @@
 """The transformers backend: the target as `load_target` loaded it, on its own device, one process.
 
-Generation is `draftsmith.data.regenerate.generate_batch` (a left-padded batch whose finished rows leave it);
+Generation is `draftsmith.backends.batch.generate_batch` (a left-padded batch whose finished rows leave it);
 features are one `Target.forward` per sample with pre-hooks on the chosen decoder layers (see `draftsmith.target`
 for the layer-id convention). Both are what the data and extract stages did before backends existed, so stores
 and regenerations made by either are identical.
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import transformers
 
+from draftsmith.backends import batch
 from draftsmith.target import Target
 
 
@@ -34,9 +35,7 @@ class TransformersBackend:
     ) -> list[tuple[list[int], bool]]:
         """Samples from the global torch RNG, which the callers seed per batch (`seed` is for engines that keep
         their own RNG); looked up on the module at call time so tests can replace it."""
-        from draftsmith.data import regenerate
-
-        return regenerate.generate_batch(
+        return batch.generate_batch(
             self.target, prompts, temperature=temperature, max_new_tokens=max_new_tokens, stop_ids=stop_ids
         )
 

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 import torch
 from rich.console import Console
 
-from draftsmith.data.regenerate import generate_batch
+from draftsmith.backends.batch import generate_batch
 from draftsmith.data.sources import Conversation
-from draftsmith.data.tokenize import render_chat
+from draftsmith.data.tokenize import encode_chat, render_chat
 from draftsmith.errors import ConfigError, TargetError
 from draftsmith.progress import progress_bar
 from draftsmith.target import Target
@@ -218,7 +218,9 @@ def synthesize_prompts(
             passages: list[str | None] = [None] * size
             asks = {i: _passage_request(rng) for i, k in enumerate(slots) if k and KINDS[k].passage}
             if asks:
-                written = generate([target.encode_chat([{"role": "user", "content": a}]) for a in asks.values()], 1)
+                written = generate(
+                    [encode_chat(target.tokenizer, [{"role": "user", "content": a}]) for a in asks.values()], 1
+                )
                 for i, (tokens, ended) in zip(asks, written, strict=True):
                     passages[i] = decode(tokens).strip() if ended else None
                     unfinished += not ended

@@ -47,6 +47,12 @@ def render_chat(
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[Message]) -> list[int]:
+    """Prompt token ids for a chat, ending with the assistant's generation prompt, rendered as in training."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: list[Message], max_length: int, *, conv_id: str = "?"
 ) -> tuple[list[int], list[int]]:

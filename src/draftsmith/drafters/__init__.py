@@ -1,29 +1,20 @@
-"""Drafters, and `build_drafter` which turns a `--drafter` string into one."""
-
-from pathlib import Path
+"""Drafters. Directory layouts (EAGLE-3 checkpoints, exports) are read by `draftsmith.formats`, which hands a
+drafter its weights; this package never reads a layout itself (see `formats.load.build_drafter`)."""
 
 from draftsmith.drafters.base import Draft, Drafter, NullDrafter
-from draftsmith.drafters.budget import DraftBudget, measured_budget
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.errors import ConfigError
 from draftsmith.target import Target, load_target
 
-__all__ = ["Draft", "Drafter", "NullDrafter", "build_drafter", "fixed_twin"]
+__all__ = ["BUILTIN_HINT", "Draft", "Drafter", "NullDrafter", "builtin_drafter", "fixed_twin"]
+
+BUILTIN_HINT = "use ngram, ngram:MIN-MAX, model:<hub id or directory>, none, or an EAGLE-3 run/checkpoint directory"
 
 
-def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_length: str = "adaptive") -> Drafter:
-    """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM), `none` (plain decoding), or the
-    path of an EAGLE-3 directory: a draftsmith checkpoint or training run, or a speculators / SGLang / EAGLE export
-    (converted on load, see `draftsmith.formats`). EAGLE-3 chains are cut where the next token stops paying for
-    itself (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed")."""
+def builtin_drafter(spec: str, target: Target, dtype: str = "float32") -> Drafter:
+    """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM) or `none` (plain decoding)."""
     from draftsmith.drafters.draft_model import ModelDrafter
     from draftsmith.drafters.ngram import NgramDrafter
-    from draftsmith.formats.load import load_drafter
-
-    if Path(spec).is_dir():
-        drafter = load_drafter(spec, target, budget=DraftBudget.fixed())
-        if draft_length == "adaptive":
-            drafter.budget = measured_budget(target, drafter.step_probe())
-        return drafter
 
     kind, _, arg = spec.partition(":")
     if kind == "none" and not arg:
@@ -37,10 +28,7 @@ def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_lengt
         return NgramDrafter(int(lo), int(hi or lo))
     if kind == "model" and arg:
         return ModelDrafter(load_target(arg, dtype=dtype), target)
-    raise ConfigError(
-        f"unknown drafter {spec!r}",
-        hint="use ngram, ngram:MIN-MAX, model:<hub id or directory>, none, or an EAGLE-3 run/checkpoint directory",
-    )
+    raise ConfigError(f"unknown drafter {spec!r}", hint=BUILTIN_HINT)
 
 
 def fixed_twin(drafter: Drafter) -> Drafter | None:

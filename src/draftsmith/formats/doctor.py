@@ -16,6 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from draftsmith.data.tokenize import encode_chat
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.errors import DraftsmithError
 from draftsmith.formats.common import (
@@ -355,7 +356,7 @@ def smoke_prompts(target: Target, store: str | Path | None, n: int) -> list[list
     from draftsmith.data.sources import load_eval_prompts
 
     _, convs = load_eval_prompts("builtin", None, n)
-    return [target.encode_chat(c.messages) for c in convs]
+    return [encode_chat(target.tokenizer, c.messages) for c in convs]
 
 
 def serving_target(

@@ -1,7 +1,8 @@
 """Read any drafter directory -- ours, speculators, SGLang/EAGLE -- and run it as our `Eagle3Drafter`.
 
-`build_drafter` calls `load_drafter` for every directory, so `draftsmith eval --drafter DIR` takes a public EAGLE-3
-checkpoint as readily as one of our training runs.
+`build_drafter` turns a `--drafter` string into a drafter: a directory goes through `load_drafter`, so `draftsmith
+eval --drafter DIR` takes a public EAGLE-3 checkpoint as readily as one of our training runs; anything else is a
+built-in drafter (n-gram, small LM, none).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.drafters.budget import DraftBudget
+from draftsmith.drafters import Drafter, builtin_drafter
+from draftsmith.drafters.budget import DraftBudget, measured_budget
 from draftsmith.drafters.eagle3 import (
     FROZEN,
     Eagle3Drafter,
@@ -113,3 +115,16 @@ def trained_depth(path: str | Path) -> int | None:
     methods = (read_json(Path(path) / CONFIG_FILE).get("speculators_config") or {}).get("proposal_methods") or [{}]
     depth = methods[0].get("speculative_tokens")
     return int(depth) if depth else None
+
+
+def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_length: str = "adaptive") -> Drafter:
+    """A `--drafter` string: an EAGLE-3 directory (a draftsmith checkpoint or training run, or a speculators / SGLang
+    / EAGLE export, converted on load) or a built-in drafter (`builtin_drafter`). EAGLE-3 chains are cut where the
+    next token stops paying for itself (`draft_length="adaptive"`, see drafters/budget.py) or always run to the
+    full length ("fixed")."""
+    if not Path(spec).is_dir():
+        return builtin_drafter(spec, target, dtype=dtype)
+    drafter = load_drafter(spec, target, budget=DraftBudget.fixed())
+    if draft_length == "adaptive":
+        drafter.budget = measured_budget(target, drafter.step_probe())
+    return drafter

@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from draftsmith.data.tokenize import encode_chat
 from draftsmith.serve.scheduler import GenerationRequest
 from draftsmith.serve.text import TOKENIZER_LOCK
 from draftsmith.target import Target
@@ -153,7 +154,7 @@ def to_generation(req: _Common, target: Target, default_max_tokens: int) -> Gene
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in req.messages]
         try:
             with TOKENIZER_LOCK:
-                ids = target.encode_chat(messages)
+                ids = encode_chat(target.tokenizer, messages)
         except TemplateError as exc:
             raise APIError(400, f"messages: the chat template refused them: {exc}", param="messages") from None
         where, max_tokens = "messages", req.max_tokens or req.max_completion_tokens

@@ -54,7 +54,7 @@ def serve(cfg: ServeConfig) -> None:
     import torch
     import uvicorn
 
-    from draftsmith.drafters import build_drafter
+    from draftsmith.formats.load import build_drafter
     from draftsmith.serve.app import ServerState, create_app
     from draftsmith.serve.metrics import ServerMetrics
     from draftsmith.serve.scheduler import Scheduler
