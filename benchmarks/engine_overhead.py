@@ -21,6 +21,7 @@ from pathlib import Path
 
 from draftsmith.config import EvalConfig
 from draftsmith.data.sources import KNOWN_DATASETS, load_eval_prompts
+from draftsmith.data.tokenize import encode_chat
 from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.drafters.base import NullDrafter
 from draftsmith.evaluate import baseline_generate
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dataset, convs = load_eval_prompts(args.dataset, args.data_dir, args.limit)
     target = load_target(args.target, dtype=args.dtype)
-    encoded = [target.encode_chat(c.messages) for c in convs]
+    encoded = [encode_chat(target.tokenizer, c.messages) for c in convs]
     cfg = EvalConfig(target=args.target, dtype=args.dtype, max_new_tokens=args.max_new_tokens, seed=args.seed)
     decoder = SpeculativeDecoder(target, NullDrafter(), num_draft_tokens=1)
 

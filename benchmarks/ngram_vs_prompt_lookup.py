@@ -29,6 +29,7 @@ from pathlib import Path
 
 from draftsmith.config import EvalConfig
 from draftsmith.data.sources import KNOWN_DATASETS, load_eval_prompts
+from draftsmith.data.tokenize import encode_chat
 from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.drafters.ngram import NgramDrafter
 from draftsmith.evaluate import baseline_generate
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dataset, convs = load_eval_prompts(args.dataset, args.data_dir, args.limit)
     target = load_target(args.target, dtype=args.dtype)
-    encoded = [(c.id, target.encode_chat(c.messages)) for c in convs]
+    encoded = [(c.id, encode_chat(target.tokenizer, c.messages)) for c in convs]
     counter = ForwardCounter(target)
     n, r_count = len(encoded), args.repeats
     print(

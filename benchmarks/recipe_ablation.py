@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from draftsmith.data.sources import load_eval_prompts
+from draftsmith.data.tokenize import encode_chat
 from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.formats.load import build_drafter
 from draftsmith.stages import train
@@ -60,7 +61,7 @@ def tau_fixed(run_dir: Path, target, prompts, chain: int, max_new_tokens: int) -
     tokens = forwards = 0
     proposed, accepted = [0] * chain, [0] * chain
     for conv in prompts:
-        out = decoder.generate(target.encode_chat(conv.messages), max_new_tokens)
+        out = decoder.generate(encode_chat(target.tokenizer, conv.messages), max_new_tokens)
         tokens, forwards = tokens + len(out.tokens), forwards + out.target_forwards
         proposed = [a + b for a, b in zip(proposed, out.proposed, strict=True)]
         accepted = [a + b for a, b in zip(accepted, out.accepted, strict=True)]
