@@ -139,7 +139,10 @@ def train(
             f"{source} is {'a data' if is_data_dir(source) else 'not a data'} stage directory",
             hint="train on an extract store, or pass a `draftsmith data` directory with --online",
         )
-    claim_dir(out, "train")
+    import os
+
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one process checks and marks the directory
+        claim_dir(out, "train")
     dataset = _features(source, target, layers, cfg.max_length)
     dataset.check_compatible(target)
     draft_vocab = DraftVocab.load(vocab_dir)

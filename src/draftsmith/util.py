@@ -60,6 +60,12 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def commit_file(tmp: Path, final: Path) -> None:
+    """A file written under a temporary name becomes `final`: its bytes on disk first, then the rename."""
+    fsync_file(tmp)
+    replace_durable(tmp, final)
+
+
 def replace_durable(src: Path, dst: Path) -> None:
     """Rename `src` to `dst` and make the rename itself durable."""
     os.replace(src, dst)
@@ -134,6 +140,7 @@ def claim_dir(directory: Path, stage: str, *, overwrite: bool = False, mark: boo
     if directory.is_dir() and _visible(directory):
         owner = dir_owner(directory)
         if owner == stage and not overwrite:
+            sweep_temp(directory)  # what a killed run of this stage was writing
             return
         if not overwrite:
             what = f"the output of the {owner} stage" if owner else "files draftsmith did not write"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from safetensors.torch import save_file
 
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.errors import DraftsmithError
-from draftsmith.util import write_atomic
+from draftsmith.util import commit_file, temp_path, write_atomic
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -326,9 +325,9 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 
 def save_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
-    tmp = directory / f".{WEIGHTS_FILE}.tmp{os.getpid()}"
+    tmp = temp_path(directory / WEIGHTS_FILE)
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, directory / WEIGHTS_FILE)
+    commit_file(tmp, directory / WEIGHTS_FILE)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -60,6 +60,11 @@ def export(
         raise ConfigError(f"unknown export format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise ConfigError(f"unknown export dtype {dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recover_swap(out)
+    sweep_temp(out.parent, prefix=f".{out.name}.")
+    _check_out(out, overwrite)  # before any work
     ckpt = resolve_checkpoint(source)
     config = read_config(ckpt)
     state = load_weights(ckpt)
@@ -90,11 +95,6 @@ def export(
         cfg = sglang.export_config(config, fmt, dtype, provenance)
         weights = sglang.export_state(state)
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    recover_swap(out)
-    sweep_temp(out.parent, prefix=f".{out.name}.")
-    _check_out(out, overwrite)
     tmp = temp_path(out)
     tmp.mkdir()
     save_weights(weights, tmp)

@@ -183,6 +183,7 @@ class Trainer:
         if self.rank == 0:  # what a killed run was writing was never renamed into place, so it is not whole
             sweep_temp(self.out_dir)
             sweep_temp(self.out_dir / "checkpoints")
+        check_no_foreign_checkpoints(self.out_dir)
         newest = own_checkpoints(self.out_dir)[-1:] if resume else []
         if newest:  # the newest whole checkpoint, even if a crash came before `latest` pointed at it
             self.load(newest[0])
@@ -414,6 +415,18 @@ def own_checkpoints(out_dir: Path) -> list[Path]:
         and all((p / f).is_file() for f in (STATE_FILE, WEIGHTS_FILE, CONFIG_FILE))
     ]
     return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+def check_no_foreign_checkpoints(out_dir: Path) -> None:
+    """A `checkpoints/step-*` entry that is not one of ours would be overwritten by a save: refuse to start."""
+    ours = set(own_checkpoints(out_dir))
+    folder = out_dir / "checkpoints"
+    foreign = sorted(p.name for p in folder.glob("step-*") if p not in ours) if folder.is_dir() else []
+    if foreign:
+        raise ConfigError(
+            f"{folder} holds {', '.join(foreign[:3])}, which draftsmith did not write (no trainer state in it)",
+            hint="move it away, or train into a new --out",
+        )
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
