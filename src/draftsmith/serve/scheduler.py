@@ -135,6 +135,7 @@ class Scheduler:
         self._in_system = 0  # queued + active; counted down as a request ends, before its client hears of it
         self._service_seconds = 1.0  # moving average of a request's time in a slot, for Retry-After
         self._died: BaseException | None = None  # the bug that stopped the worker thread, if one did
+        self._jobs: set[Job] = set()  # every job queued or decoding: told when the worker goes away
         with metrics.update():
             metrics.queue_capacity.set(max_queue)
             metrics.slots.set(max_active)
@@ -164,6 +165,7 @@ class Scheduler:
         with self._wake:
             self._check_capacity()
             self._pending.append(job)
+            self._jobs.add(job)
             self._in_system += 1
             with self.metrics.update():
                 self.metrics.queue_depth.set(len(self._pending))
@@ -179,6 +181,7 @@ class Scheduler:
         with self._wake:
             if job in self._pending:
                 self._pending.remove(job)
+                self._jobs.discard(job)
                 self._in_system -= 1
                 job.done = True
                 with self.metrics.update():
@@ -253,12 +256,12 @@ class Scheduler:
     def _shut_down(self, active: list[_Active], reason: str = "the server is shutting down") -> None:
         """Tell every waiting and running request that the server is going away."""
         with self._wake:
-            waiting, self._pending = list(self._pending), deque()
+            jobs, self._jobs, self._pending = list(self._jobs), set(), deque()
             self._in_system = 0
         for slot in active:
             with contextlib.suppress(Exception):
                 slot.steps.close()
-        for job in waiting + [slot.job for slot in active]:
+        for job in jobs:  # queued, decoding, or between the two when the worker died
             job.done = True
             job.emit(Event("", 0, error=reason))
 
@@ -329,6 +332,7 @@ class Scheduler:
         job.done = True
         with self._wake:
             self._in_system -= 1
+            self._jobs.discard(job)
         with self.metrics.update():
             self.metrics.finished.inc(reason=reason)
 
