@@ -197,6 +197,7 @@ BAD_REQUESTS = [
     ("stop of numbers", "/v1/completions", {"prompt": "t5", "stop": [1]}, 400, "stop"),
     ("body too large", "/v1/completions", {"prompt": "t5 " * 400_000}, 413, None),
     ("nested 100000 deep", "/v1/completions", b"[" * 100_000, 400, None),
+    ("lone surrogate", "/v1/completions", b'{"prompt": "t5 \\udcff"}', 400, None),
     ("nested 5000 deep", "/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
     ("nested 500 deep", "/v1/chat/completions", b'{"messages": ' + b"[" * 500 + b"]" * 500 + b"}", 400, None),
     ("stop string too long", "/v1/completions", {"prompt": "t5", "stop": ["x" * (MAX_STOP_CHARS + 1)]}, 400, "stop"),

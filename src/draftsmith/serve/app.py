@@ -270,11 +270,24 @@ async def _read_json(request: Request, limit: int, timeout: float) -> Any:
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
     try:
-        return json.loads(body)
+        payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    if b"\\u" in body.lower() and _has_lone_surrogate(payload):  # only an escape can make one
+        raise APIError(
+            400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff), not text", code="invalid_json"
+        )
+    return payload
+
+
+def _has_lone_surrogate(payload: Any) -> bool:
+    try:
+        json.dumps(payload, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 class _Guard:
