@@ -383,11 +383,13 @@ def bench(
     seed: int = 0,
     timeout: Annotated[float, typer.Option(help="seconds per request")] = 600.0,
     out: Annotated[Path, typer.Option(help="where result.json, result.md and the PNGs go")] = Path("runs/bench"),
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Streamed load at each concurrency level: TTFT, ITL, e2e latency, tokens/s, errors; JSON + Markdown + PNGs."""
     if ctx.invoked_subcommand:
         return
-    options = {k: v for k, v in locals().items() if k != "ctx"}
+    options = {k: v for k, v in locals().items() if k not in ("ctx", "overwrite")}
+    _overwrite(out, "bench", overwrite)
     from draftsmith.bench import bench as run_bench
     from draftsmith.bench.run import BenchConfig
 

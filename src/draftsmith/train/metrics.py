@@ -9,14 +9,13 @@ the target's top-1 within the draft vocabulary instead (what speculators logs), 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from draftsmith.errors import DataError
-from draftsmith.util import write_atomic
+from draftsmith.util import commit_file, temp_path, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
@@ -155,8 +154,8 @@ def plot_curves(out_dir: Path) -> Path:
     axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = Path(out_dir) / CURVES_FILE
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
+    tmp = temp_path(path, ".png")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
+    commit_file(tmp, path)
     return path
