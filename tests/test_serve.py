@@ -527,3 +527,26 @@ def test_stop_strings_are_matched_only_in_the_tail_and_cut_like_a_full_search():
         out = "".join(stream.push(ids[i : i + 3]) for i in range(0, len(ids), 3)) + stream.finish()
         hits = [text.find(s) for s in stop if s in text]
         assert out == (text[: min(hits)] if hits else text), stop
+
+
+def test_a_body_that_trickles_in_gets_408():
+    from starlette.requests import Request
+
+    from draftsmith.serve.app import _read_json
+    from draftsmith.serve.protocol import APIError
+
+    async def receive():
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b" ", "more_body": True}  # one byte at a time, forever
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+
+    async def scenario() -> int:
+        try:
+            await _read_json(Request(scope, receive), 1 << 20, 0.3)
+        except APIError as exc:
+            return exc.status
+        return 200
+
+    assert asyncio.run(scenario()) == 408
