@@ -324,7 +324,6 @@ def bench(
     from draftsmith.serve.process import ServerProcess
     from draftsmith.util import write_atomic
 
-    claim_dir(out, "bench")
     log = Console(stderr=True, soft_wrap=True).print
     common = ["--target", target, "--dtype", dtype, "--num-draft-tokens", str(cfg.num_draft_tokens),
               "--max-active", str(cfg.max_active), *(["--threads", str(threads)] if threads else [])]  # fmt: skip
@@ -332,7 +331,7 @@ def bench(
     runs = [("drafter", str(drafter), out)] + ([("baseline", "none", out / "baseline")] if cfg.baseline else [])
     results = {}
     for name, spec, where in runs:
-        where.mkdir(parents=True, exist_ok=True)
+        claim_dir(where, "bench")  # out, and out/baseline: marked before the server log goes in
         log(f"bench: starting `draftsmith serve --drafter {spec}` ({name})")
         with ServerProcess([*common, "--drafter", spec], log=where / "server.log", env=env) as server:
             bench_cfg = BenchConfig(
