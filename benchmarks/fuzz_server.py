@@ -32,7 +32,7 @@ import httpx
 from draftsmith.serve.process import ServerProcess
 
 RSS_LIMIT = 32 << 20
-WARM_UP = 200
+WARM_UP = 500  # the allocator and thread pools reach their high-water marks on the same mix of requests
 PATHS = ["/v1/completions", "/v1/chat/completions"]
 ODD_PATHS = ["/v1/models", "/health", "/metrics", "/v1/nothing", "/", "/v1/completions/x", "/../etc/passwd", "/v1//"]
 ODD_VALUES = [None, True, False, 0, -1, 1, 2**63, -(2**70), 1e308, -0.5, 0.5, float("nan"), "", "x", "0", "t5",

@@ -187,3 +187,23 @@ def test_swap_dirs_without_renameat2_is_recovered(tmp_path, monkeypatch):
     os.replace(old, parked)
     util.recover_swap(old)
     assert (old / "f").read_text() == "new"
+
+
+def test_the_cli_refuses_before_loading_anything_and_overwrite_replaces(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from draftsmith.cli import app
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded before --out was checked")
+
+    monkeypatch.setattr("draftsmith.target.load_target", no_target)
+    mine = users_folder(tmp_path / "mine")
+    before = tree_hash(mine)
+    for args in (["train", str(tmp_path / "store"), "--out", str(mine)], ["extract", str(tmp_path), "--out", str(mine)],
+                 ["eval", "--out", str(mine)], ["export", str(tmp_path / "run"), "--out", str(mine)]):  # fmt: skip
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and "did not write" in result.output, (args, result.output)
+    assert tree_hash(mine) == before
+    result = CliRunner().invoke(app, ["vocab", str(tmp_path / "no-store"), "--out", str(mine), "--overwrite"])
+    assert result.exit_code != 0 and not (mine / "thesis.tex").exists()  # replaced as asked, then no store
