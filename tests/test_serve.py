@@ -23,6 +23,7 @@ from draftsmith.drafters.ngram import NgramDrafter
 from draftsmith.evaluate import baseline_generate
 from draftsmith.serve.metrics import ServerMetrics
 from draftsmith.serve.process import ServerProcess
+from draftsmith.serve.protocol import MAX_STOP_CHARS
 from draftsmith.serve.scheduler import GenerationRequest, Scheduler, fork_drafter
 from draftsmith.serve.text import TextStream
 from draftsmith.target import load_target
@@ -196,6 +197,19 @@ BAD_REQUESTS = [
     ("seed too large", "/v1/completions", {"prompt": "t5", "seed": 2**70}, 400, "seed"),
     ("stop of numbers", "/v1/completions", {"prompt": "t5", "stop": [1]}, 400, "stop"),
     ("body too large", "/v1/completions", {"prompt": "t5 " * 400_000}, 413, None),
+    ("nested 100000 deep", "/v1/completions", b"[" * 100_000, 400, None),
+    ("lone surrogate", "/v1/completions", b'{"prompt": "t5 \\udcff"}', 400, None),
+    ("nested 5000 deep", "/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+    ("nested 500 deep", "/v1/chat/completions", b'{"messages": ' + b"[" * 500 + b"]" * 500 + b"}", 400, None),
+    ("stop string too long", "/v1/completions", {"prompt": "t5", "stop": ["x" * (MAX_STOP_CHARS + 1)]}, 400, "stop"),
+    (
+        "too many messages",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "t5"}] * 1025},
+        400,
+        "messages",
+    ),  # fmt: skip
+    ("prompt characters over the cap", "/v1/completions", {"prompt": " " * (CONTEXT * 16 + 1)}, 400, "prompt"),
 ]
 
 
@@ -416,3 +430,126 @@ def test_interleaved_requests_decode_exactly_as_one_at_a_time(kind):
     assert metrics.generation_tokens.get() == metrics.acceptance.sum == total
     assert metrics.acceptance.sum > metrics.acceptance.count  # drafts were accepted
     assert metrics.finished.get(reason="stop") + metrics.finished.get(reason="length") == len(requests)
+
+
+def test_a_local_server_that_web_pages_cannot_drive(server, model_dir):
+    """Form and text/plain posts (sent cross-site without a preflight) get 415, a DNS-rebinding Host gets 421, and
+    no answer or metric names a local path or quotes an exception."""
+    body = json.dumps({"prompt": "t5", "max_tokens": 2}).encode()
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+            r = client.post("/v1/completions", content=body, headers={"content-type": kind} if kind else {})
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (kind, r.text)
+        for host in ("evil.example", "evil.example:80", "127.0.0.1.evil.example"):
+            r = client.post("/v1/completions", content=body, headers={"content-type": "application/json", "host": host})
+            assert r.status_code in (400, 421) and "error" in r.json(), (host, r.text)
+            assert client.get("/health", headers={"host": host}).status_code in (400, 421)
+        port = server.url.rsplit(":", 1)[1]
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
+            assert client.post("/v1/completions", content=body, headers={"content-type": "application/json",
+                                                                         "host": host}).status_code == 200  # fmt: skip
+        health = client.get("/health").json()
+        assert health["status"] == "ok" and health["worker"] == "alive"
+        text = client.get("/metrics").text
+    assert str(model_dir) not in text and 'target="model"' in text
+
+
+def test_api_key_guards_every_v1_route():
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from draftsmith.serve.app import _Guard
+
+    async def ok(request):
+        return PlainTextResponse("ok")
+
+    inner = Starlette(routes=[Route("/v1/models", ok), Route("/v1/chat/completions", ok, methods=["POST"]),
+                              Route("/health", ok)])  # fmt: skip
+    guarded = _Guard(inner, allowed_hosts=frozenset({"127.0.0.1"}), api_key="s3cret")
+
+    async def scenario() -> list[int]:
+        transport = httpx.ASGITransport(app=guarded)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as client:
+            return [
+                (await client.get("/v1/models")).status_code,
+                (await client.get("/v1/models", headers={"authorization": "Bearer wrong"})).status_code,
+                (await client.post("/v1/chat/completions", headers={"authorization": "Basic s3cret"})).status_code,
+                (await client.get("/v1/models", headers={"authorization": "Bearer s3cret"})).status_code,
+                (await client.get("/health")).status_code,  # not a /v1 route: for load balancers
+                (await client.get("/health", headers={"host": "evil.example"})).status_code,
+            ]
+
+    assert asyncio.run(scenario()) == [401, 401, 401, 200, 200, 421]
+
+
+def test_a_dead_scheduler_thread_fails_its_requests_and_health_says_so():
+    target = tiny_target(3)
+    metrics = ServerMetrics(4, target="tiny", drafter="ngram", model="tiny")
+    scheduler = Scheduler(target, NgramDrafter(), metrics, num_draft_tokens=4, max_active=2, max_queue=4)
+    calls = []
+
+    def breaks_on_second_call(active: int) -> None:
+        calls.append(active)
+        if len(calls) > 1:
+            raise RuntimeError("/secret/path bug")
+
+    scheduler._publish = breaks_on_second_call
+
+    async def scenario() -> str | None:
+        job = scheduler.submit(GenerationRequest(target.encode_chat([{"role": "user", "content": "t5"}]), 20))
+        return (await asyncio.wait_for(job.events.get(), 30)).error
+
+    scheduler.start()
+    try:
+        error = asyncio.run(scenario())
+    finally:
+        scheduler.stop()
+    assert error and "secret" not in error and not scheduler.alive()
+    with pytest.raises(Exception, match="worker"):
+        raise_if_dead(scheduler)
+
+
+def raise_if_dead(scheduler: Scheduler) -> None:
+    from draftsmith.serve.scheduler import WorkerDead
+
+    try:
+        scheduler.check_capacity()
+    except WorkerDead:
+        raise RuntimeError("the worker is dead") from None
+
+
+def test_stop_strings_are_matched_only_in_the_tail_and_cut_like_a_full_search():
+    """The incremental search finds the same cut as searching the whole text, for stops spanning pushes."""
+    tokenizer = tiny_target(0).tokenizer
+    words = [f"t{i % 7 + 2}" for i in range(300)]
+    ids = tokenizer(" ".join(words))["input_ids"]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    for stop in (["t5 t6 t7"], ["t8 t2 t3 t4", "zzz"], ["t" + "x" * 50], [text[-40:]]):
+        stream = TextStream(tokenizer, stop)
+        out = "".join(stream.push(ids[i : i + 3]) for i in range(0, len(ids), 3)) + stream.finish()
+        hits = [text.find(s) for s in stop if s in text]
+        assert out == (text[: min(hits)] if hits else text), stop
+
+
+def test_a_body_that_trickles_in_gets_408():
+    from starlette.requests import Request
+
+    from draftsmith.serve.app import _read_json
+    from draftsmith.serve.protocol import APIError
+
+    async def receive():
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b" ", "more_body": True}  # one byte at a time, forever
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+
+    async def scenario() -> int:
+        try:
+            await _read_json(Request(scope, receive), 1 << 20, 0.3)
+        except APIError as exc:
+            return exc.status
+        return 200
+
+    assert asyncio.run(scenario()) == 408

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -43,7 +42,7 @@ from draftsmith.run_report import write_run_report
 from draftsmith.run_status import Status, file_fingerprint, stage_fingerprint
 from draftsmith.target import Target, load_target
 from draftsmith.train.trainer import TrainConfig
-from draftsmith.util import write_atomic
+from draftsmith.util import claim_dir, remove_stage_dir, write_atomic
 
 StageName = Literal["data", "extract", "vocab", "train", "eval", "export", "doctor", "bench"]
 STAGES: tuple[StageName, ...] = ("data", "extract", "vocab", "train", "eval", "export", "doctor", "bench")
@@ -202,10 +201,10 @@ class Runner:
                     upstream = key
                     continue
                 console.print(f"[yellow]{stage}: {', '.join(changed)} changed since it ran; starting it over[/]")
-                shutil.rmtree(out, ignore_errors=True)
+                remove_stage_dir(out, stage)
             elif entry.get("key") not in (None, key) and out.exists():
                 console.print(f"[yellow]{stage}: settings or inputs changed since the last run; starting it over[/]")
-                shutil.rmtree(out)
+                remove_stage_dir(out, stage)
             console.rule(f"[bold]{stage}")
             start = time.time()
             status.update(stage, state="in_progress", key=key, started=_now(), ended=None, error=None, inputs=inputs)
@@ -320,7 +319,12 @@ def _now() -> str:
 
 
 def run_pipeline(
-    name_or_path: str, run_dir: Path, profile: str | None = None, sets: list[str] = (), resume_command: str = ""
+    name_or_path: str,
+    run_dir: Path,
+    profile: str | None = None,
+    sets: list[str] = (),
+    resume_command: str = "",
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
@@ -328,7 +332,8 @@ def run_pipeline(
             hint="run it without torchrun and set nproc_per_node: N; the train stage starts its N processes itself",
         )
     cfg = load_pipeline(name_or_path, profile, sets)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_dir(run_dir, "run", overwrite=overwrite, mark=False)  # its marker is status.json, written first
+    Status(run_dir).save()
     write_atomic(run_dir / "pipeline.json", cfg.model_dump_json(indent=2) + "\n")
     stage_status = Runner(cfg, run_dir, resume_command).run()
     report = write_run_report(run_dir, cfg.target, stage_status)

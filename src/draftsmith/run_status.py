@@ -20,9 +20,8 @@ from typing import Any
 from rich.table import Table
 
 from draftsmith.errors import ConfigError
+from draftsmith.util import RUN_STATUS as STATUS_FILE
 from draftsmith.util import write_atomic
-
-STATUS_FILE = "status.json"
 
 
 class Status:
@@ -36,6 +35,9 @@ class Status:
 
     def update(self, stage: str, **fields: Any) -> None:
         self.stages.setdefault(stage, {}).update(fields)
+        self.save()
+
+    def save(self) -> None:
         write_atomic(self.path, json.dumps({"stages": self.stages}, indent=2) + "\n")
 
 

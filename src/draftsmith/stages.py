@@ -16,6 +16,7 @@ from draftsmith.data.synth import SYNTH_KINDS, check_kinds
 from draftsmith.errors import ConfigError
 from draftsmith.target import Target
 from draftsmith.train.trainer import TrainConfig, TrainResult
+from draftsmith.util import claim_dir
 
 
 class DataConfig(StageConfig):
@@ -74,6 +75,7 @@ def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
     from draftsmith.backends import get_backend
     from draftsmith.data.stage import build_dataset
 
+    claim_dir(out, "data")
     backend = get_backend(cfg.backend, target, cfg.backend_options) if target is not None else None
     try:
         return build_dataset(
@@ -92,6 +94,7 @@ def extract(cfg: ExtractConfig, data_dir: Path, out: Path, target: Target) -> Pa
     from draftsmith.data.tokenize import tokenize_dataset
     from draftsmith.store import extract as run_extract
 
+    claim_dir(out, "extract", mark=False)  # the store writes its own manifest before any shard
     conversations = load_stage_conversations(data_dir)
     samples = list(tokenize_dataset(target.tokenizer, conversations, cfg.max_length))
     backend = get_backend(cfg.backend, target, cfg.backend_options)
@@ -108,6 +111,7 @@ def vocab(cfg: VocabConfig, source: Path, out: Path, target: Target | None = Non
     """From an extract store, or (for online training) from a data stage directory tokenised by `target`."""
     from draftsmith.vocab import vocab_from_store
 
+    claim_dir(out, "vocab")
     return vocab_from_store(_features(source, target) if is_data_dir(source) else source, cfg.size, out)
 
 
@@ -135,6 +139,10 @@ def train(
             f"{source} is {'a data' if is_data_dir(source) else 'not a data'} stage directory",
             hint="train on an extract store, or pass a `draftsmith data` directory with --online",
         )
+    import os
+
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, one process checks and marks the directory
+        claim_dir(out, "train")
     dataset = _features(source, target, layers, cfg.max_length)
     dataset.check_compatible(target)
     draft_vocab = DraftVocab.load(vocab_dir)
@@ -181,6 +189,7 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     from draftsmith.evaluate import evaluate_drafters, merge_fixed, write_report
     from draftsmith.formats.load import build_drafter, checkpoint_dir, trained_depth
 
+    claim_dir(cfg.out, "eval")
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
     specs = [cfg.drafter, *cfg.compare]
     for spec in specs:
@@ -213,7 +222,13 @@ def warn(message: str) -> None:
 
 
 def _safe_name(spec: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
+    """A folder name inside the report directory for a drafter string: never `..`, `.`, hidden, or a path."""
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)[:100]
+    return (
+        name
+        if name and not name.startswith(".") and name not in ("manifest.json", "report.json", "report.md")
+        else f"_{name}"
+    )
 
 
 # --------------------------------------------------------------------------------------------- shipping stages
@@ -267,9 +282,9 @@ def doctor(cfg: DoctorConfig, drafter: Path, out: Path, target: Target, store: P
     from draftsmith.formats.doctor import diagnose, print_checks
     from draftsmith.util import write_atomic
 
+    claim_dir(out, "doctor")
     checks = diagnose(drafter, target, store, samples=cfg.samples, prompts=cfg.prompts,
                       max_new_tokens=cfg.max_new_tokens)  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
     report = {"drafter": str(drafter), "target": target.name, "store": str(store) if store else None,
               "checks": [asdict(c) for c in checks]}  # fmt: skip
     write_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
@@ -316,7 +331,7 @@ def bench(
     runs = [("drafter", str(drafter), out)] + ([("baseline", "none", out / "baseline")] if cfg.baseline else [])
     results = {}
     for name, spec, where in runs:
-        where.mkdir(parents=True, exist_ok=True)
+        claim_dir(where, "bench")  # out, and out/baseline: marked before the server log goes in
         log(f"bench: starting `draftsmith serve --drafter {spec}` ({name})")
         with ServerProcess([*common, "--drafter", spec], log=where / "server.log", env=env) as server:
             bench_cfg = BenchConfig(

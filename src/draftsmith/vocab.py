@@ -15,7 +15,6 @@ the coverage, the source and the most frequent tokens.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import ConfigError, DataError, DraftsmithError
-from draftsmith.util import write_atomic
+from draftsmith.util import commit_file, temp_path, write_atomic
 
 VOCAB_TENSORS = "vocab.safetensors"
 VOCAB_JSON = "vocab.json"
@@ -66,9 +65,9 @@ class DraftVocab:
         """Write vocab.safetensors and vocab.json into `out_dir` (each atomically); returns `out_dir`."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".{VOCAB_TENSORS}.tmp{os.getpid()}"
+        tmp = temp_path(out / VOCAB_TENSORS)
         save_file({"d2t": self.d2t.cpu().contiguous(), "t2d": self.t2d.cpu().contiguous()}, str(tmp))
-        os.replace(tmp, out / VOCAB_TENSORS)
+        commit_file(tmp, out / VOCAB_TENSORS)
         write_atomic(out / VOCAB_JSON, json.dumps(self.describe(source), indent=2) + "\n")
         return out
 

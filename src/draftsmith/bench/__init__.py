@@ -16,7 +16,9 @@ def bench(cfg, log=print) -> dict[str, Any]:
     from draftsmith.bench.plots import write_plots
     from draftsmith.bench.report import print_table, write_result
     from draftsmith.bench.run import run_bench
+    from draftsmith.util import claim_dir
 
+    claim_dir(Path(cfg.out), "bench")  # before the load: a folder of someone's files is refused, not written into
     result = run_bench(cfg, log)
     write_result(result, Path(cfg.out))
     write_plots(result, Path(cfg.out))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +9,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from draftsmith.util import commit_file, temp_path
 
 
 def write_plots(result: dict[str, Any], out: Path) -> list[Path]:
@@ -46,8 +47,8 @@ def _save(fig, ax, conc: list[int], path: Path) -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
+    tmp = temp_path(path, ".png")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
+    commit_file(tmp, path)
     return path

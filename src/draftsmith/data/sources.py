@@ -38,6 +38,8 @@ _ROLES = (
     | dict.fromkeys(("assistant", "gpt", "chatgpt", "bard", "model"), "assistant")
     | dict.fromkeys(("tool", "function", "observation"), "tool")
 )
+MAX_LINE_CHARS = 16 << 20  # one JSONL record; a longer line is a damaged file or not a dataset, never read whole
+MAX_TURNS = 1024  # messages in one conversation
 _EXPECTED_FIELDS = "'conversations' or 'messages' (a list of turns), 'turns', 'prompt' or 'question'"
 _HUMANEVAL_TEMPLATE = "Complete the following Python function.\n\n```python\n{prompt}```"
 
@@ -76,8 +78,8 @@ def read_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 numbered = (
                     _parse_array(path, text) if text.lstrip().startswith("[") else _parse_lines(path, text.splitlines())
                 )
-            else:  # JSON Lines may be large training sets: stream them
-                numbered = _parse_lines(path, f)
+            else:  # JSON Lines may be large training sets: stream them, one bounded line at a time
+                numbered = _parse_lines(path, _bounded_lines(path, f))
             for number, record in numbered:
                 if not isinstance(record, dict):
                     raise DataError(
@@ -100,8 +102,26 @@ def _parse_array(path: Path, text: str) -> Iterator[tuple[int, Any]]:
     yield from enumerate(items, start=1)
 
 
+def _check_line(path: Path, lineno: int, line: str) -> None:
+    if len(line) > MAX_LINE_CHARS:
+        raise DataError(
+            f"{path}:{lineno}: the line is longer than {MAX_LINE_CHARS:,} characters",
+            hint="each line must be one conversation; split or drop that record",
+        )
+
+
+def _bounded_lines(path: Path, f) -> Iterator[str]:
+    """The file's lines, refusing one longer than MAX_LINE_CHARS before it is read whole."""
+    lineno = 0
+    while line := f.readline(MAX_LINE_CHARS + 1):
+        lineno += 1
+        _check_line(path, lineno, line)
+        yield line
+
+
 def _parse_lines(path: Path, lines: Iterable[str]) -> Iterator[tuple[int, Any]]:
     for lineno, line in enumerate(lines, start=1):
+        _check_line(path, lineno, line)
         if not line.strip():
             continue
         try:
@@ -122,6 +142,12 @@ def record_to_conversation(record: dict[str, Any], where: str, index: int | None
     conv_id = str(conv_id if conv_id is not None else index if index is not None else where)
 
     turns_key = "conversations" if "conversations" in record else "messages" if "messages" in record else None
+    turns = record.get(turns_key or "turns")
+    if isinstance(turns, list) and len(turns) > MAX_TURNS:
+        raise DataError(
+            f"{where}: the conversation has {len(turns)} turns; the limit is {MAX_TURNS}",
+            hint="split the conversation or drop it",
+        )
     if turns_key is not None:
         messages = [_to_message(turn, f"{where}: {turns_key}[{i}]") for i, turn in enumerate(record[turns_key])]
     elif "turns" in record:

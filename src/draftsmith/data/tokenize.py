@@ -71,28 +71,34 @@ def tokenize_conversation(
         )
     full = _render(tokenizer, messages, False, conv_id)
     encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = list(encoding["input_ids"])
-    offsets: list[tuple[int, int]] = list(encoding["offset_mapping"])
+    ids: list[int] = list(encoding["input_ids"])[:max_length]
+    offsets: list[tuple[int, int]] = list(encoding["offset_mapping"])[:max_length]
+    # Turns that start past the kept tokens cannot reach the mask: rendering their prefixes would only cost time
+    # (each rendering is as long as the conversation so far, so all of them grow with the square of its length).
+    kept_chars = offsets[-1][1] if len(encoding["input_ids"]) > max_length else len(full)
     starts = [s for s, _ in offsets]
     mask = [0] * len(ids)
-    for content_start, content_end, turn_end in _assistant_spans(tokenizer, messages, full, conv_id):
+    for content_start, content_end, turn_end in _assistant_spans(tokenizer, messages, full, conv_id, kept_chars):
         for t, (s, e) in enumerate(offsets):
             if s < content_end and e > content_start:
                 mask[t] = 1
         stop = bisect_left(starts, content_end)  # the first token after the content: the one that ends the turn
         if stop < len(ids) and starts[stop] < turn_end:
             mask[stop] = 1
-    return ids[:max_length], mask[:max_length]
+    return ids, mask
 
 
 def _assistant_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[Message], full: str, conv_id: str
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], full: str, conv_id: str, kept_chars: int
 ) -> Iterator[tuple[int, int, int]]:
-    """(content start, content end, turn end) character offsets in `full` for each assistant message."""
+    """(content start, content end, turn end) character offsets in `full` for each assistant message that starts
+    within the first `kept_chars` characters."""
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         start = _prefix_end(_render(tokenizer, messages[:i], True, conv_id), full, conv_id, i, "generation prompt")
+        if start >= kept_chars:
+            return
         end = _prefix_end(_render(tokenizer, messages[: i + 1], False, conv_id), full, conv_id, i + 1, "messages")
         empty = _render(tokenizer, [*messages[:i], {"role": "assistant", "content": ""}], False, conv_id)
         after = empty[start:]  # what the template writes after an assistant content, e.g. "<|im_end|>\n"

@@ -14,7 +14,7 @@ lists as inputs. `SGLANG_RULE` below is that newer rule; ids whose first entry i
 from __future__ import annotations
 
 import json
-import os
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.errors import DraftsmithError
-from draftsmith.util import write_atomic
+from draftsmith.util import commit_file, temp_path, write_atomic
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -247,8 +247,52 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint: model.safetensors, a sharded safetensors index, or pytorch_model.bin."""
+# The largest drafter a config may describe: far above any real EAGLE-3 head (one layer), far below what would
+# exhaust memory when a damaged or hostile config.json is read. Checked before anything is allocated.
+SIZE_LIMITS = {
+    "hidden_size": 1 << 16,
+    "num_attention_heads": 1 << 10,
+    "num_key_value_heads": 1 << 10,
+    "head_dim": 1 << 11,
+    "intermediate_size": 1 << 18,
+    "vocab_size": 1 << 22,
+    "draft_vocab_size": 1 << 22,
+    "max_position_embeddings": 1 << 24,
+}
+MAX_ELEMENTS = 1 << 33  # all weights together
+
+
+def check_sizes(config: Eagle3Config, where: str) -> None:
+    """Refuse a config whose sizes are zero, negative, inconsistent or absurd, before any tensor is built."""
+    for name, limit in SIZE_LIMITS.items():
+        value = getattr(config, name)
+        if not 1 <= value <= limit:
+            raise DraftsmithError(
+                f"{where}: {name} is {value}; expected 1 to {limit}",
+                hint="the config.json is damaged or not a drafter's",
+            )
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise DraftsmithError(
+            f"{where}: num_attention_heads {config.num_attention_heads} is not a multiple of num_key_value_heads "
+            f"{config.num_key_value_heads}",
+            hint="the config.json is damaged or not a drafter's",
+        )
+    if config.draft_vocab_size > config.vocab_size:
+        raise DraftsmithError(
+            f"{where}: draft_vocab_size {config.draft_vocab_size} exceeds vocab_size {config.vocab_size}",
+            hint="the config.json is damaged or not a drafter's",
+        )
+    total = sum(math.prod(shape) for shape in expected_shapes(config).values())
+    if total > MAX_ELEMENTS:
+        raise DraftsmithError(
+            f"{where}: the config describes {total:,} weights; the limit is {MAX_ELEMENTS:,}",
+            hint="the config.json is damaged or not a drafter's",
+        )
+
+
+def load_weights(directory: Path, meta: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint: model.safetensors, a sharded safetensors index, or pytorch_model.bin.
+    With `meta`, only the file headers are read: tensors on the meta device (names, shapes, dtypes, no data)."""
     single = directory / WEIGHTS_FILE
     index = directory / "model.safetensors.index.json"
     if single.is_file():
@@ -256,7 +300,8 @@ def load_weights(directory: Path) -> dict[str, torch.Tensor]:
     elif index.is_file():
         files = sorted({directory / f for f in read_json(index).get("weight_map", {}).values()})
     elif (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        state = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=meta)
+        return {k: v.to("meta") for k, v in state.items()} if meta else state
     else:
         raise DraftsmithError(
             f"{directory} has no weights: expected {WEIGHTS_FILE}, model.safetensors.index.json or pytorch_model.bin",
@@ -265,14 +310,24 @@ def load_weights(directory: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            state.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+            for k in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if meta:
+                    piece = f.get_slice(k)
+                    state[k] = torch.empty(piece.get_shape(), dtype=_DTYPES[piece.get_dtype()], device="meta")
+                else:
+                    state[k] = f.get_tensor(k)
     return state
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}  # fmt: skip
+
+
 def save_weights(state: dict[str, torch.Tensor], directory: Path) -> None:
-    tmp = directory / f".{WEIGHTS_FILE}.tmp{os.getpid()}"
+    tmp = temp_path(directory / WEIGHTS_FILE)
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, directory / WEIGHTS_FILE)
+    commit_file(tmp, directory / WEIGHTS_FILE)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

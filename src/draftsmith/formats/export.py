@@ -9,7 +9,6 @@ engines ignore unknown config keys, and `doctor` and the importer use it to tell
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from importlib.metadata import version
 from pathlib import Path
@@ -25,14 +24,16 @@ from draftsmith.formats.common import (
     CARD_FILE,
     CONFIG_FILE,
     CONVENTION,
-    PROVENANCE_KEY,
     SGLANG_CONVENTION,
+    WEIGHTS_FILE,
     load_weights,
     save_weights,
     verifier_config,
     verifier_name,
     write_json,
 )
+from draftsmith.train.metrics import read_jsonl
+from draftsmith.util import crash_point, dir_owner, fsync_tree, recover_swap, swap_dirs, sweep_temp, temp_path
 
 FORMATS = ("speculators", "sglang", "eagle")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,6 +49,7 @@ def export(
     report: str | Path | None = None,
     speculative_tokens: int | None = None,
     dtype: str = "float32",
+    overwrite: bool = False,
 ) -> Path:
     """Write `out` in `fmt` from a draftsmith checkpoint or training run; returns `out`.
 
@@ -58,6 +60,11 @@ def export(
         raise ConfigError(f"unknown export format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise ConfigError(f"unknown export dtype {dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recover_swap(out)
+    sweep_temp(out.parent, prefix=f".{out.name}.")
+    _check_out(out, overwrite)  # before any work
     ckpt = resolve_checkpoint(source)
     config = read_config(ckpt)
     state = load_weights(ckpt)
@@ -88,32 +95,45 @@ def export(
         cfg = sglang.export_config(config, fmt, dtype, provenance)
         weights = sglang.export_state(state)
 
-    out = Path(out)
-    _check_out(out)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = temp_path(out)
+    tmp.mkdir()
     save_weights(weights, tmp)
     write_json(tmp / CONFIG_FILE, cfg)
     (tmp / CARD_FILE).write_text(render_card(fmt, config, provenance, cfg, verifier, out.resolve()))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    fsync_tree(tmp)
+    crash_point("export-built")
+    swap_dirs(tmp, out)  # `out` holds the old export or the new one, whole, at every moment
+    crash_point("export-swapped")
+    shutil.rmtree(tmp, ignore_errors=True)  # now the old export, if there was one
     return out
 
 
-def _check_out(out: Path) -> None:
-    """Overwrite only an empty directory or an earlier export, never someone's other files."""
-    if not out.exists():
+EXPORT_FILES = {CONFIG_FILE, CARD_FILE, WEIGHTS_FILE}
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Replace only an empty directory or an earlier export holding nothing but what an export writes."""
+    if not out.exists() or overwrite and out.is_dir():
         return
-    if out.is_dir() and not any(out.iterdir()):
+    if not out.is_dir():
+        raise DraftsmithError(f"{out} exists and is not a directory", hint="pick a new --out")
+    names = {p.name for p in out.iterdir()}
+    if not names:
         return
-    try:
-        if "exported_by" in (json.loads((out / CONFIG_FILE).read_text()).get(PROVENANCE_KEY) or {}):
-            return
-    except (OSError, json.JSONDecodeError, AttributeError):
-        pass
+    owner = dir_owner(out)
+    foreign = sorted(names - EXPORT_FILES)
+    if owner == "export" and not foreign:
+        return
+    what = (
+        f"the output of the {owner} stage"
+        if owner not in (None, "export")
+        else f"files an export does not write ({', '.join(foreign[:3])})"
+        if owner == "export"
+        else "files draftsmith did not write"
+    )
     raise DraftsmithError(
-        f"{out} exists and is not an earlier draftsmith export", hint="pick a new --out, or delete the directory"
+        f"{out} holds {what}: it is not an earlier draftsmith export, the only directory export replaces",
+        hint="pick a new --out, or pass --overwrite to replace that directory",
     )
 
 
@@ -135,7 +155,7 @@ def training_summary(ckpt: Path) -> dict[str, Any] | None:
     }
     metrics = ckpt.parent.parent / "metrics.jsonl"
     if metrics.is_file():
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows = read_jsonl(metrics)
         val = [r for r in rows if r.get("split") == "val" and r.get("step", 0) <= summary["steps"]]
         if val:
             steps = (k for k in val[-1] if k.removeprefix("acc_").isdigit())  # acc_k, not acc_draft_k

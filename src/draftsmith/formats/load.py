@@ -23,7 +23,15 @@ from draftsmith.drafters.eagle3 import (
 )
 from draftsmith.errors import DraftsmithError
 from draftsmith.formats import sglang, speculators
-from draftsmith.formats.common import CONFIG_FILE, EMBED_KEY, Converted, check_state, load_weights, read_json
+from draftsmith.formats.common import (
+    CONFIG_FILE,
+    EMBED_KEY,
+    Converted,
+    check_sizes,
+    check_state,
+    load_weights,
+    read_json,
+)
 from draftsmith.target import Target
 
 
@@ -57,19 +65,24 @@ def read_drafter(path: str | Path, num_layers: int | None = None, target: Target
     first, when `target` is given, for fitting that target (the clearer error when it was trained for another)."""
     fmt = detect_format(path)
     where = str(path)
-    if fmt == "draftsmith":
-        ckpt = resolve_checkpoint(path)
-        config = read_config(ckpt)
-        state = load_weights(ckpt)
-        converted = Converted(config, state, fmt, [f"draftsmith checkpoint {ckpt}"], read_json(ckpt / CONFIG_FILE))
-    else:
-        raw = read_json(Path(path) / CONFIG_FILE)
-        weights = load_weights(Path(path))
-        reader = speculators.read if fmt == "speculators" else sglang.read
-        converted = reader(raw, weights, num_layers, where)
-    if target is not None:
-        check_compatible(converted.config, target, where=f"{fmt} drafter {path}:")
-    check_state(converted.state, converted.config, where)
+    # First from the metadata alone (config.json and the weight files' headers), so a config with absurd sizes or
+    # weights that do not match it are refused before any tensor is read or allocated.
+    for meta in (True, False):
+        if fmt == "draftsmith":
+            ckpt = resolve_checkpoint(path)
+            config = read_config(ckpt)
+            check_sizes(config, where)
+            state = load_weights(ckpt, meta)
+            converted = Converted(config, state, fmt, [f"draftsmith checkpoint {ckpt}"], read_json(ckpt / CONFIG_FILE))
+        else:
+            raw = read_json(Path(path) / CONFIG_FILE)
+            weights = load_weights(Path(path), meta)
+            reader = speculators.read if fmt == "speculators" else sglang.read
+            converted = reader(raw, weights, num_layers, where)
+            check_sizes(converted.config, where)
+        if target is not None:
+            check_compatible(converted.config, target, where=f"{fmt} drafter {path}:")
+        check_state(converted.state, converted.config, where)
     return converted
 
 

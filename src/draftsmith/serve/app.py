@@ -1,14 +1,21 @@
 """The HTTP surface: OpenAI's completions and chat completions (plain and streamed), models, health, metrics.
 
-Handlers only parse, submit to the scheduler and format; the scheduler's worker thread does all model work, so
-the event loop stays free to accept, reject (429) and stream. Any error a client causes is answered with an
-OpenAI-style 4xx body and the server carries on; a bug in one request is a 500 for that request only.
+Handlers only parse, submit to the scheduler and format; the scheduler's worker thread does all model work and
+tokenising runs in a thread pool, so the event loop stays free to accept, reject (429) and stream. Any error a
+client causes is answered with an OpenAI-style 4xx body and the server carries on; a bug in one request is a 500
+for that request only, whose body names no file and quotes no exception (those go to the server's log).
+
+A server on a laptop must not be drivable by web pages the user visits: a POST must say it is JSON (a form or
+`text/plain` post, which browsers send cross-site without asking, gets 415), the Host header must name the address
+the server is bound to (a DNS-rebinding page's Host is its own domain: 421), and with an API key every /v1 route
+wants `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import sys
 import time
 import traceback
@@ -25,7 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from draftsmith.serve.metrics import ServerMetrics
 from draftsmith.serve.protocol import APIError, ChatRequest, CompletionRequest, parse, to_generation
-from draftsmith.serve.scheduler import Job, Overloaded, Scheduler
+from draftsmith.serve.scheduler import INTERNAL_ERROR, Job, Overloaded, Scheduler, WorkerDead
 from draftsmith.target import Target
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -39,6 +46,9 @@ class ServerState:
     model_name: str
     default_max_tokens: int = 256
     max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0  # seconds to send the whole body; a client trickling it gets 408
+    allowed_hosts: frozenset[str] | None = None  # Host header names accepted (None: any, a wildcard bind)
+    api_key: str | None = None  # when set, every /v1 route wants `Authorization: Bearer <api_key>`
     on_ready: Callable[[], None] | None = None  # called once the scheduler runs (prints the "ready" line)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -53,6 +63,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.scheduler.stop()
 
     app = FastAPI(title="draftsmith", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Guard, allowed_hosts=state.allowed_hosts, api_key=state.api_key)
     app.add_middleware(_CountResponses, metrics=state.metrics)
 
     @app.exception_handler(APIError)
@@ -71,13 +82,16 @@ def create_app(state: ServerState) -> FastAPI:
         path = request.url.path if request.url.path in ROUTES else "other"
         with state.metrics.update():  # Starlette answers bugs outside the counting middleware: count them here
             state.metrics.http_requests.inc(path=path, code="500")
-        body = APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body()
+        body = APIError(500, INTERNAL_ERROR, kind="server_error").body()
         return JSONResponse(body, status_code=500)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> JSONResponse:
         active, queued = state.scheduler.load()
-        return {"status": "ok", "model": state.model_name, "active": active, "queued": queued}
+        alive = state.scheduler.alive()
+        body = {"status": "ok" if alive else "error", "worker": "alive" if alive else "dead", "model": state.model_name,
+                "active": active, "queued": queued}  # fmt: skip
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -96,12 +110,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await _read_json(request, state.max_body_bytes))
+        req = parse(CompletionRequest, await _read_json(request, state.max_body_bytes, state.body_timeout))
         return await _generate(request, req, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatRequest, await _read_json(request, state.max_body_bytes))
+        req = parse(ChatRequest, await _read_json(request, state.max_body_bytes, state.body_timeout))
         return await _generate(request, req, "chat.completion")
 
     async def _generate(request: Request, req: CompletionRequest | ChatRequest, kind: str):
@@ -112,8 +126,9 @@ def create_app(state: ServerState) -> FastAPI:
                 param="model",
                 code="model_not_found",
             )
-        gen_req = to_generation(req, state.target, state.default_max_tokens)
         try:
+            state.scheduler.check_capacity()  # a flood is refused before anything is tokenised
+            gen_req = await asyncio.to_thread(to_generation, req, state.target, state.default_max_tokens)
             job = state.scheduler.submit(gen_req)
         except Overloaded as exc:
             raise APIError(
@@ -123,6 +138,8 @@ def create_app(state: ServerState) -> FastAPI:
                 kind="rate_limit_error",
                 headers={"Retry-After": str(exc.retry_after)},
             ) from None
+        except WorkerDead:
+            raise APIError(503, "the decoding worker has stopped; restart the server", kind="server_error") from None
         reply = _Reply(kind, state.model_name, job)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -181,7 +198,7 @@ class _Reply:
             if event is None:
                 continue
             if event.error:
-                raise APIError(500, f"generation failed: {event.error}", kind="server_error")
+                raise APIError(500, f"generation failed: {event.error}", kind="server_error")  # no exception text
             parts.append(event.text)
             if event.finish_reason:
                 choice = self._choice("".join(parts), event.finish_reason, delta=False)
@@ -228,20 +245,84 @@ class _SSEResponse(StreamingResponse):
             self.on_close()
 
 
-async def _read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refusing more than `limit` bytes before reading them all."""
+async def _read_json(request: Request, limit: int, timeout: float) -> Any:
+    """The body as JSON: it must say it is JSON, hold at most `limit` bytes (refused before reading them all) and
+    arrive within `timeout` seconds; nesting too deep to parse is a 400 like any other bad JSON."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(
+            415, f"Content-Type must be application/json, found {media_type or 'none'!r}", code="unsupported_media_type"
+        )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body has {declared} bytes; the limit is {limit}", code="body_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+
+    async def read() -> bytearray:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+        return body
+
     try:
-        return json.loads(body)
+        body = await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
+    try:
+        payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    if b"\\u" in body.lower() and _has_lone_surrogate(payload):  # only an escape can make one
+        raise APIError(
+            400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff), not text", code="invalid_json"
+        )
+    return payload
+
+
+def _has_lone_surrogate(payload: Any) -> bool:
+    try:
+        json.dumps(payload, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+class _Guard:
+    """ASGI middleware: the Host header must be one this server is bound to (DNS rebinding: 421), and with an API
+    key every /v1 route wants it as a Bearer token (401)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str] | None, api_key: str | None) -> None:
+        self.app, self.allowed_hosts, self.api_key = app, allowed_hosts, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.allowed_hosts is not None and host_name(headers.get("host", "")) not in self.allowed_hosts:
+            error = APIError(421, "the Host header does not name this server", code="misdirected_request")
+        elif self.api_key is not None and scope["path"].startswith("/v1") and not self._authorised(headers):
+            error = APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key",
+                             kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        else:
+            await self.app(scope, receive, send)
+            return
+        await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
+
+    def _authorised(self, headers: dict[str, str]) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+def host_name(host: str) -> str:
+    """The name part of a Host header: `[::1]:8000` -> `::1`, `localhost:8000` -> `localhost`."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 class _CountResponses:

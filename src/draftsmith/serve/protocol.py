@@ -22,6 +22,9 @@ from draftsmith.serve.text import TOKENIZER_LOCK
 from draftsmith.target import Target
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: each generated token is checked against the tail a stop could end in
+MAX_MESSAGES = 1024
+CHARS_PER_TOKEN = 16  # a prompt longer than context x this many characters cannot fit: refused before tokenising
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -72,6 +75,8 @@ class _Common(_Strict):
             raise PydanticCustomError("stop_type", "expected a string or a list of strings")
         if len(items) > MAX_STOP_STRINGS or any(not s for s in items):
             raise PydanticCustomError("stop_value", f"expected 1 to {MAX_STOP_STRINGS} non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in items):
+            raise PydanticCustomError("stop_length", f"expected stop strings of at most {MAX_STOP_CHARS} characters")
         return items
 
 
@@ -110,7 +115,7 @@ class ChatMessage(_Strict):
 
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
@@ -148,8 +153,27 @@ def parse(model: type[_Common], payload: Any) -> Any:
         raise APIError(400, f"{loc}: {err['msg']}{found}", param=loc, code=err["type"]) from None
 
 
+def check_size(req: _Common, target: Target) -> None:
+    """Refuse a prompt whose characters alone show it cannot fit the context, before paying to tokenise it."""
+    if isinstance(req, ChatRequest):
+        where, chars = "messages", sum(len(m.content) for m in req.messages)
+    else:
+        where, chars = "prompt", len(req.prompt) if isinstance(req.prompt, str) else 0
+    limit = target.context_length * CHARS_PER_TOKEN
+    if chars > limit:
+        raise APIError(
+            400,
+            f"{where}: the prompt has {chars} characters; this server takes at most {limit} "
+            f"({CHARS_PER_TOKEN} per token of the {target.context_length}-token context)",
+            param=where,
+            code="context_length_exceeded",
+        )
+
+
 def to_generation(req: _Common, target: Target, default_max_tokens: int) -> GenerationRequest:
-    """Token ids and sampling settings for the engine, checked against the target's vocabulary and context."""
+    """Token ids and sampling settings for the engine, checked against the target's vocabulary and context.
+    Tokenising can take a while: the server calls this off its event loop."""
+    check_size(req, target)
     if isinstance(req, ChatRequest):
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in req.messages]
         try:

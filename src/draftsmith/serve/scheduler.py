@@ -71,6 +71,13 @@ class Usage:
     target_forwards: int = 0
 
 
+INTERNAL_ERROR = "internal error; the server log has the details"
+
+
+class WorkerDead(Exception):
+    """The scheduler's worker thread is not running: no request can be served."""
+
+
 class Overloaded(Exception):
     """The queue is full; retry after `retry_after` seconds."""
 
@@ -127,20 +134,38 @@ class Scheduler:
         self._active_count = 0
         self._in_system = 0  # queued + active; counted down as a request ends, before its client hears of it
         self._service_seconds = 1.0  # moving average of a request's time in a slot, for Retry-After
+        self._died: BaseException | None = None  # the bug that stopped the worker thread, if one did
+        self._jobs: set[Job] = set()  # every job queued or decoding: told when the worker goes away
         with metrics.update():
             metrics.queue_capacity.set(max_queue)
             metrics.slots.set(max_active)
 
     # ---- called from the event loop -------------------------------------------------------------------------
 
+    def check_capacity(self) -> None:
+        """Raise `Overloaded` when a request would be refused: called before the request is tokenised, so a
+        flood costs the server a counter check, not a tokenisation per request."""
+        with self._wake:
+            self._check_capacity()
+
+    def _check_capacity(self) -> None:
+        if not self.alive():
+            raise WorkerDead()
+        if self._in_system >= self.max_active + self.max_queue:
+            with self.metrics.update():
+                self.metrics.rejected.inc()
+            raise Overloaded(self._retry_after(), len(self._pending))
+
+    def alive(self) -> bool:
+        """The worker thread is running (False before `start`, after `stop`, and after it died of a bug)."""
+        return self._thread is not None and self._thread.is_alive() and self._died is None
+
     def submit(self, request: GenerationRequest) -> Job:
         job = Job(request, asyncio.get_running_loop())
         with self._wake:
-            if self._in_system >= self.max_active + self.max_queue:
-                with self.metrics.update():
-                    self.metrics.rejected.inc()
-                raise Overloaded(self._retry_after(), len(self._pending))
+            self._check_capacity()
             self._pending.append(job)
+            self._jobs.add(job)
             self._in_system += 1
             with self.metrics.update():
                 self.metrics.queue_depth.set(len(self._pending))
@@ -156,6 +181,7 @@ class Scheduler:
         with self._wake:
             if job in self._pending:
                 self._pending.remove(job)
+                self._jobs.discard(job)
                 self._in_system -= 1
                 job.done = True
                 with self.metrics.update():
@@ -190,6 +216,16 @@ class Scheduler:
 
     def _run(self) -> None:
         active: list[_Active] = []
+        try:
+            self._loop(active)
+        except BaseException as exc:  # a bug outside any one request: fail them all, /health reports it
+            traceback.print_exception(exc, file=sys.stderr)
+            self._died = exc
+            self._shut_down(active, INTERNAL_ERROR)
+            return
+        self._shut_down(active)
+
+    def _loop(self, active: list[_Active]) -> None:
         while True:
             with self._wake:
                 self._publish(len(active))
@@ -209,7 +245,6 @@ class Scheduler:
             for slot in list(active):
                 if not self._step(slot):
                     active.remove(slot)
-        self._shut_down(active)
 
     def _publish(self, active: int) -> None:
         """Update the load figures (the caller holds `_wake`)."""
@@ -218,15 +253,17 @@ class Scheduler:
             self.metrics.queue_depth.set(len(self._pending))
             self.metrics.active.set(active)
 
-    def _shut_down(self, active: list[_Active]) -> None:
+    def _shut_down(self, active: list[_Active], reason: str = "the server is shutting down") -> None:
         """Tell every waiting and running request that the server is going away."""
         with self._wake:
-            waiting, self._pending = list(self._pending), deque()
+            jobs, self._jobs, self._pending = list(self._jobs), set(), deque()
+            self._in_system = 0
         for slot in active:
-            slot.steps.close()
-        for job in waiting + [slot.job for slot in active]:
+            with contextlib.suppress(Exception):
+                slot.steps.close()
+        for job in jobs:  # queued, decoding, or between the two when the worker died
             job.done = True
-            job.emit(Event("", 0, error="the server is shutting down"))
+            job.emit(Event("", 0, error=reason))
 
     def _start(self, job: Job) -> _Active:
         req = job.request
@@ -289,12 +326,13 @@ class Scheduler:
     def _fail(self, job: Job, exc: Exception) -> None:
         traceback.print_exception(exc, file=sys.stderr)
         self._leave(job, "error")
-        job.emit(Event("", 0, error=f"{type(exc).__name__}: {exc}"))
+        job.emit(Event("", 0, error=INTERNAL_ERROR))  # the details went to the server's log, not to the client
 
     def _leave(self, job: Job, reason: str) -> None:
         job.done = True
         with self._wake:
             self._in_system -= 1
+            self._jobs.discard(job)
         with self.metrics.update():
             self.metrics.finished.inc(reason=reason)
 

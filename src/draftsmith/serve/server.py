@@ -7,6 +7,7 @@ scripts and tests wait for it (see `serve.process.ServerProcess`).
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -17,6 +18,23 @@ from draftsmith.errors import ConfigError
 
 READY = "draftsmith serve: ready on"
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+WILDCARD = {"0.0.0.0", "::", ""}
+
+
+def allowed_hosts(host: str) -> frozenset[str] | None:
+    """The Host header names a request may carry: the loopback names on a loopback bind, the bound address on
+    another; None (any) on a wildcard bind, which has no one name to check."""
+    if host in LOOPBACK:
+        return frozenset(LOOPBACK)
+    return None if host in WILDCARD else frozenset({host.lower()})
+
+
+def public_name(spec: str) -> str:
+    """A target or drafter as a client may see it: a local path shrinks to its last component (`model:/home/me/d`
+    -> `model:d`), a hub id or built-in name stays."""
+    kind, sep, rest = spec.rpartition(":") if ":" in spec and not spec.startswith("/") else ("", "", spec)
+    local = rest.startswith(("/", "./", "../", "~")) or "\\" in rest or (os.sep in rest and os.path.exists(rest))
+    return f"{kind}{sep}{os.path.basename(rest.rstrip('/')) or rest}" if local else spec
 
 
 class ServeConfig(StageConfig):
@@ -31,6 +49,9 @@ class ServeConfig(StageConfig):
     max_queue: int = Field(default=32, ge=0, le=100_000)
     default_max_tokens: int = Field(default=256, ge=1)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    body_timeout: float = Field(default=30.0, gt=0)
+    max_connections: int = Field(default=256, ge=1)  # open connections; beyond it uvicorn answers 503
+    api_key: str | None = None
     threads: int | None = Field(default=None, ge=1)
 
 
@@ -65,16 +86,18 @@ def serve(cfg: ServeConfig) -> None:
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    if cfg.host not in LOOPBACK:
+    if cfg.host not in LOOPBACK and not cfg.api_key:
         print(
-            f"warning: serving on {cfg.host} without authentication; anyone who can reach it can use it",
+            f"warning: serving on {cfg.host} without authentication (--api-key); anyone who can reach it can use it",
             file=sys.stderr,
         )
 
     target = load_target(cfg.target, dtype=cfg.dtype)
     drafter = build_drafter(cfg.drafter, target, dtype=cfg.dtype)
-    model_name = cfg.model_name or cfg.target
-    metrics = ServerMetrics(cfg.num_draft_tokens, target=cfg.target, drafter=drafter.name, model=model_name)
+    model_name = cfg.model_name or public_name(cfg.target)
+    metrics = ServerMetrics(
+        cfg.num_draft_tokens, target=public_name(cfg.target), drafter=public_name(drafter.name), model=model_name
+    )
     scheduler = Scheduler(target, drafter, metrics, cfg.num_draft_tokens, cfg.max_active, cfg.max_queue)
     warm_up(scheduler)
 
@@ -82,9 +105,13 @@ def serve(cfg: ServeConfig) -> None:
         print(f"{READY} {url} (model {model_name}, drafter {drafter.name})", file=sys.stderr, flush=True)
 
     state = ServerState(
-        target, scheduler, metrics, model_name, cfg.default_max_tokens, cfg.max_body_bytes, on_ready=ready
-    )
-    config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        target, scheduler, metrics, model_name, cfg.default_max_tokens, cfg.max_body_bytes, cfg.body_timeout,
+        allowed_hosts=allowed_hosts(cfg.host), api_key=cfg.api_key, on_ready=ready,
+    )  # fmt: skip
+    config = uvicorn.Config(
+        create_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+        limit_concurrency=cfg.max_connections, timeout_keep_alive=5,
+    )  # fmt: skip
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -32,6 +32,7 @@ class TextStream:
         self.stopped = False  # a stop string was found: the answer is over
         self._prefix = 0  # token window start: decoding from here reproduces the text's tail in context
         self._read = 0  # tokens whose text is already in `text`
+        self._searched = 0  # `text` up to here holds no whole stop string
 
     def push(self, new_tokens: list[int]) -> str:
         """Add tokens; return the text that can be sent now (possibly empty)."""
@@ -61,11 +62,12 @@ class TextStream:
         return window, known
 
     def _cut_at_stop(self) -> None:
+        """Search only the tail a stop string could end in: the new text and the len(stop) - 1 characters before
+        it, so the work per token is bounded by the stop strings' lengths, never by the length of the answer."""
         if not self.stop:
             return
-        longest = max(map(len, self.stop))
-        start = max(0, self.sent - longest + 1)  # a stop string may begin in text that was held back
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [i for i in (self.text.find(s, max(0, self._searched - len(s) + 1)) for s in self.stop) if i >= 0]
+        self._searched = len(self.text)
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True
@@ -80,11 +82,15 @@ class TextStream:
         return delta
 
     def _stop_prefix_held(self) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+        """Length of the longest tail of `text` that is a proper prefix of some stop string (tails start only where
+        the stop's first character is, and none is longer than the stop, so no answer-length scan)."""
         best = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
+            tail = self.text[len(self.text) - min(len(s) - 1, len(self.text)) :]
+            i = tail.find(s[0])
+            while 0 <= i < len(tail) - best:
+                if s.startswith(tail[i:]):
+                    best = len(tail) - i
                     break
+                i = tail.find(s[0], i + 1)
         return best

@@ -9,13 +9,13 @@ the target's top-1 within the draft vocabulary instead (what speculators logs), 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from draftsmith.util import write_atomic
+from draftsmith.errors import DataError
+from draftsmith.util import commit_file, temp_path, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
@@ -84,7 +84,7 @@ class MetricsWriter:
 
     def __init__(self, out_dir: Path, start_step: int) -> None:
         self.path = out_dir / METRICS_FILE
-        kept = [line for line in _read_lines(self.path) if json.loads(line)["step"] <= start_step]
+        kept = [json.dumps(r) for r in read_jsonl(self.path) if r["step"] <= start_step]
         write_atomic(self.path, "".join(line + "\n" for line in kept))
         self.file = self.path.open("a")
         try:
@@ -107,12 +107,23 @@ class MetricsWriter:
             self.tensorboard.close()
 
 
-def _read_lines(path: Path) -> list[str]:
-    return [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of an append-only JSONL log; a torn last line (the process was killed mid-write) is skipped."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1:
+                raise DataError(
+                    f"{path}:{i + 1}: not valid JSON", hint="the log is damaged; fix or delete that line"
+                ) from None
+    return records
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in _read_lines(Path(out_dir) / METRICS_FILE)]
+    return read_jsonl(Path(out_dir) / METRICS_FILE)
 
 
 def plot_curves(out_dir: Path) -> Path:
@@ -143,8 +154,8 @@ def plot_curves(out_dir: Path) -> Path:
     axes[1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = Path(out_dir) / CURVES_FILE
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
+    tmp = temp_path(path, ".png")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
+    commit_file(tmp, path)
     return path

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -32,13 +33,21 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from draftsmith.config import StageConfig
-from draftsmith.drafters.eagle3 import FROZEN, WEIGHTS_FILE, Eagle3Config, Eagle3Model, read_config, save_checkpoint
+from draftsmith.drafters.eagle3 import (
+    CONFIG_FILE,
+    FROZEN,
+    WEIGHTS_FILE,
+    Eagle3Config,
+    Eagle3Model,
+    read_config,
+    save_checkpoint,
+)
 from draftsmith.errors import ConfigError, DataError
 from draftsmith.progress import progress_bar
 from draftsmith.train.losses import target_top, ttt_loss, valid_positions
 from draftsmith.train.metrics import MetricsWriter, StepStats, plot_curves, read_metrics
 from draftsmith.train.optim import build_optimizer
-from draftsmith.util import write_atomic
+from draftsmith.util import crash_point, fsync_tree, replace_durable, swap_dirs, sweep_temp, temp_path, write_atomic
 
 STATE_FILE = "trainer_state.pt"
 # Settings a resumed run may change; any other difference would silently change the run, so it is an error.
@@ -102,8 +111,8 @@ def train(
     """Train a drafter on `dataset` (dicts of input_ids, loss_mask, aux_hidden, last_hidden) into `out_dir`.
 
     `target_head` (V, H) is the target's frozen output head: with `last_hidden` it gives the target distribution.
-    With `resume`, training continues from `out_dir/latest` when there is one; otherwise it starts over and
-    deletes the directory's earlier checkpoints.
+    With `resume`, training continues from the newest whole checkpoint in `out_dir` when there is one; otherwise
+    it starts over and deletes the directory's earlier checkpoints (its own `checkpoints/step-*` only).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
@@ -171,10 +180,16 @@ class Trainer:
     def run(self, resume: bool) -> TrainResult:
         cfg = self.cfg
         latest = self.out_dir / "latest"
-        if resume and latest.is_file():
-            self.load(self.out_dir / latest.read_text().strip())
+        if self.rank == 0:  # what a killed run was writing was never renamed into place, so it is not whole
+            sweep_temp(self.out_dir)
+            sweep_temp(self.out_dir / "checkpoints")
+        check_no_foreign_checkpoints(self.out_dir)
+        newest = own_checkpoints(self.out_dir)[-1:] if resume else []
+        if newest:  # the newest whole checkpoint, even if a crash came before `latest` pointed at it
+            self.load(newest[0])
         elif self.rank == 0:  # starting over: an earlier run's checkpoints must not outlive (or outrank) ours
-            shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
+            for old in own_checkpoints(self.out_dir):
+                shutil.rmtree(old)
             latest.unlink(missing_ok=True)
             (self.out_dir / "best").unlink(missing_ok=True)
         if self.world > 1 and self.sharded is None:  # every rank starts from rank 0's weights (FSDP: seeded alike)
@@ -326,7 +341,7 @@ class Trainer:
             optimizer_state = distributed.full_optimizer_state(self.optimizer)
         if self.rank == 0:
             final = self.checkpoint_dir(self.step)
-            tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
+            tmp = temp_path(final)
             shutil.rmtree(tmp, ignore_errors=True)
             save_checkpoint(model, tmp)
             state = {
@@ -338,14 +353,19 @@ class Trainer:
                 "best_length": self.best_length,
             }
             torch.save(state, tmp / STATE_FILE)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            fsync_tree(tmp)  # every byte on disk before the name says the checkpoint exists
+            if final.exists():
+                swap_dirs(tmp, final)  # an earlier checkpoint of this step (a resumed run redoing it)
+                shutil.rmtree(tmp)
+            else:
+                replace_durable(tmp, final)
+            crash_point("checkpoint-renamed")
             write_atomic(self.out_dir / "latest", f"checkpoints/{final.name}\n")
             if best:
                 write_atomic(self.out_dir / "best", f"checkpoints/{final.name}\n")
             best_file = self.out_dir / "best"
             kept = best_file.read_text().strip() if best_file.is_file() else None
-            for old in sorted(final.parent.glob("step-*"))[: -self.cfg.keep_checkpoints]:
+            for old in own_checkpoints(self.out_dir)[: -self.cfg.keep_checkpoints]:
                 if f"checkpoints/{old.name}" != kept:
                     shutil.rmtree(old)
         if self.world > 1:
@@ -378,6 +398,35 @@ class Trainer:
         set_rng_state(state["rng"])
         self.step = state["step"]
         self.best_length = float(state.get("best_length", 0.0))
+
+
+def own_checkpoints(out_dir: Path) -> list[Path]:
+    """The trainer's whole checkpoints in `out_dir/checkpoints`, oldest first: `step-NNNNNN` folders holding its
+    state, weights and config. Anything else there is not ours, so it is never loaded or deleted."""
+    folder = out_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [
+        p
+        for p in folder.iterdir()
+        if re.fullmatch(r"step-\d{6,}", p.name)
+        and p.is_dir()
+        and not p.is_symlink()
+        and all((p / f).is_file() for f in (STATE_FILE, WEIGHTS_FILE, CONFIG_FILE))
+    ]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+def check_no_foreign_checkpoints(out_dir: Path) -> None:
+    """A `checkpoints/step-*` entry that is not one of ours would be overwritten by a save: refuse to start."""
+    ours = set(own_checkpoints(out_dir))
+    folder = out_dir / "checkpoints"
+    foreign = sorted(p.name for p in folder.glob("step-*") if p not in ours) if folder.is_dir() else []
+    if foreign:
+        raise ConfigError(
+            f"{folder} holds {', '.join(foreign[:3])}, which draftsmith did not write (no trainer state in it)",
+            hint="move it away, or train into a new --out",
+        )
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
