@@ -11,17 +11,21 @@ __all__ = ["Draft", "Drafter", "NullDrafter", "build_drafter", "fixed_twin"]
 
 
 def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_length: str = "adaptive") -> Drafter:
-    """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM), `none` (plain decoding), or the
+    """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM), `none` (plain decoding),
+    `dflash:DIR` (a DFlash drafter: ours or z-lab's layout; a bare DFlash directory works too), or the
     path of an EAGLE-3 directory: a draftsmith checkpoint or training run, or a speculators / SGLang / EAGLE export
     (converted on load, see `draftsmith.formats`). EAGLE-3 chains are cut where the next token stops paying for
     itself (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed")."""
     from draftsmith.drafters.draft_model import ModelDrafter
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
     from draftsmith.drafters.ngram import NgramDrafter
-    from draftsmith.formats.load import load_drafter
+    from draftsmith.formats.load import load_dflash, load_drafter
 
+    if spec.startswith("dflash:"):
+        return load_dflash(spec.removeprefix("dflash:"), target)
     if Path(spec).is_dir():
         drafter = load_drafter(spec, target, budget=DraftBudget.fixed())
-        if draft_length == "adaptive":
+        if draft_length == "adaptive" and isinstance(drafter, Eagle3Drafter):
             drafter.budget = measured_budget(target, drafter.step_probe())
         return drafter
 
@@ -39,7 +43,8 @@ def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_lengt
         return ModelDrafter(load_target(arg, dtype=dtype), target)
     raise ConfigError(
         f"unknown drafter {spec!r}",
-        hint="use ngram, ngram:MIN-MAX, model:<hub id or directory>, none, or an EAGLE-3 run/checkpoint directory",
+        hint="use ngram, ngram:MIN-MAX, model:<hub id or directory>, none, dflash:DIR, or an EAGLE-3 "
+        "run/checkpoint directory",
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.drafters import dflash
 from draftsmith.drafters.budget import DraftBudget
 from draftsmith.drafters.eagle3 import (
     FROZEN,
@@ -20,7 +21,7 @@ from draftsmith.drafters.eagle3 import (
     resolve_checkpoint,
 )
 from draftsmith.errors import DraftsmithError
-from draftsmith.formats import sglang, speculators
+from draftsmith.formats import sglang, speculators, zlab
 from draftsmith.formats.common import CONFIG_FILE, EMBED_KEY, Converted, check_state, load_weights, read_json
 from draftsmith.target import Target
 
@@ -91,10 +92,47 @@ def build_model(converted: Converted, target: Target) -> Eagle3Model:
     return model.to(param.device, param.dtype)
 
 
+def is_dflash(path: str | Path) -> bool:
+    """A DFlash drafter directory: a draftsmith DFlash checkpoint or run, or z-lab's layout."""
+    path = Path(path)
+    ckpt = resolve_checkpoint(path) if (path / "latest").is_file() else path
+    if not (ckpt / CONFIG_FILE).is_file():
+        return False
+    raw = read_json(ckpt / CONFIG_FILE)
+    return dflash.is_config(raw) or zlab.is_zlab(raw)
+
+
+def read_dflash(
+    path: str | Path, target: Target | None = None
+) -> tuple[dflash.DFlashConfig, dict[str, torch.Tensor], str, list[str]]:
+    """A DFlash directory as (our config, state dict under our names, format, conversion notes), checked against
+    `target` when given: layer ids within its depth, mask token inside its vocabulary, hidden sizes."""
+    path = Path(path)
+    ckpt = resolve_checkpoint(path) if (path / "latest").is_file() else path
+    raw = read_json(ckpt / CONFIG_FILE)
+    if dflash.is_config(raw):
+        config, state, fmt, notes = dflash.read_config(ckpt), load_weights(ckpt), "draftsmith", []
+    else:
+        config, state, notes = zlab.read(raw, load_weights(ckpt), str(ckpt))
+        fmt = "zlab"
+    if target is not None:
+        dflash.check_compatible(config, target, where=f"{fmt} DFlash drafter {path}:")
+    return config, state, fmt, notes
+
+
+def load_dflash(path: str | Path, target: Target, name: str | None = None) -> dflash.DFlashDrafter:
+    config, state, _, _ = read_dflash(path, target)
+    with torch.no_grad():
+        model = dflash.build_model(config, state, target)
+    return dflash.DFlashDrafter(model, name or f"dflash:{path}")
+
+
 def load_drafter(
     path: str | Path, target: Target, name: str | None = None, budget: DraftBudget | None = None
-) -> Eagle3Drafter:
+) -> Eagle3Drafter | dflash.DFlashDrafter:
     """`--drafter DIR`: our runs and checkpoints, and foreign layouts converted on load, on the target's device."""
+    if is_dflash(path):
+        return load_dflash(path, target, name)
     converted = read_drafter(path, target.num_layers, target)
     with torch.no_grad():
         model = build_model(converted, target)
