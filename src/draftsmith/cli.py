@@ -167,7 +167,7 @@ def train(
         "runs/train"
     ),
     target: TargetOpt = "smollm2-135m",
-    algo: Annotated[str, typer.Option(help="drafter algorithm (eagle3)")] = "eagle3",
+    algo: Annotated[str, typer.Option(help="drafter algorithm: eagle3 | dflash")] = "eagle3",
     max_steps: int | None = None,
     epochs: float = 1.0,
     batch_size: int = 8,
@@ -199,9 +199,20 @@ def train(
     init: Annotated[str, typer.Option(help="random | logit_lens (start as the target's head on the top aux layer)")] = (
         "random"
     ),
+    block_size: Annotated[int, typer.Option(help="dflash: block size B (B-1 draft tokens per round)")] = 16,
+    draft_layers: Annotated[int, typer.Option(help="dflash: the drafter's decoder layers")] = 1,
+    gamma: Annotated[float | None, typer.Option(help="dflash: loss decay exp(-(k-1)/gamma); 7 for B=16, 4 for 8")] = (
+        None
+    ),
+    anchors: Annotated[int, typer.Option(help="dflash: blocks per sequence per step")] = 32,
+    kl: Annotated[bool, typer.Option(help="dflash: KL to the target's distribution, not cross entropy")] = False,
+    mask_token_id: Annotated[int | None, typer.Option(help="dflash: mask token (default: a spare special token)")] = (
+        None
+    ),
 ) -> None:
-    """Train an EAGLE-3 drafter with the training-time test (resumes by default; torchrun: DDP, or FSDP with --fsdp)."""
-    skip = {"store", "vocab_dir", "out", "target", "algo", "fresh", "online", "layers", "skip"}
+    """Train an EAGLE-3 drafter with the training-time test, or (--algo dflash) a DFlash block drafter (resumes by
+    default; torchrun: DDP, or FSDP with --fsdp for EAGLE-3)."""
+    skip = {"store", "vocab_dir", "out", "target", "fresh", "online", "layers", "skip"}
     options = {k: v for k, v in locals().items() if k not in skip}
     from draftsmith.stages import train as run_train
     from draftsmith.target import load_target
@@ -209,9 +220,7 @@ def train(
 
     cfg = TrainConfig.checked(**options)
     layer_ids = tuple(int(x) for x in layers.split(",")) if layers else None
-    result = run_train(
-        cfg, store, vocab_dir, out, load_target(target), algo=algo, fresh=fresh, online=online, layers=layer_ids
-    )
+    result = run_train(cfg, store, vocab_dir, out, load_target(target), fresh=fresh, online=online, layers=layer_ids)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one line for the run, not one per process
         console.print(f"trained {result.steps} steps; checkpoint {result.checkpoint}")
 

@@ -243,11 +243,14 @@ class DFlashModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
 
-    def attach_target(self, target: Target) -> DFlashModel:
+    def attach(self, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> DFlashModel:
         """Use the target's embeddings and head (shared, not copied: they stay frozen)."""
-        self.embed_tokens.weight = nn.Parameter(target.model.get_input_embeddings().weight.detach(), False)
-        self.lm_head.weight = nn.Parameter(target.model.get_output_embeddings().weight.detach(), False)
+        self.embed_tokens.weight = nn.Parameter(embed_weight.detach(), requires_grad=False)
+        self.lm_head.weight = nn.Parameter(head_weight.detach(), requires_grad=False)
         return self
+
+    def attach_target(self, target: Target) -> DFlashModel:
+        return self.attach(target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight)
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(positions, self.config.head_dim, self.config.rope_theta, like)

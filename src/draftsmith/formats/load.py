@@ -141,7 +141,9 @@ def load_drafter(
 
 def trained_depth(path: str | Path) -> int | None:
     """How many draft steps a drafter directory was trained to make, where recorded: the training-time test depth
-    of a draftsmith run, or the `speculative_tokens` an export declares."""
+    of a draftsmith run, or the `speculative_tokens` an export declares; a DFlash block's B-1 tokens."""
+    if is_dflash(path):
+        return read_dflash(path)[0].draft_tokens
     if detect_format(path) == "draftsmith":
         state_file = resolve_checkpoint(path) / "trainer_state.pt"
         if not state_file.is_file():
