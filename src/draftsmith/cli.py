@@ -302,9 +302,9 @@ def serve(
 @user_errors
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="a `draftsmith train` run or one of its checkpoints")],
-    format: Annotated[str, typer.Option("--format", help="speculators (vLLM) | sglang | eagle (vLLM native)")] = (
-        "speculators"
-    ),
+    format: Annotated[
+        str, typer.Option("--format", help="speculators (vLLM) | sglang | eagle (vLLM native) | zlab (DFlash)")
+    ] = ("speculators"),
     out: Annotated[Path, typer.Option(help="directory to write (an earlier export is replaced)")] = Path("runs/export"),
     verifier: Annotated[str | None, typer.Option(help="target as the engine loads it (hub id or path)")] = None,
     store: Annotated[Path | None, typer.Option(help="the extract store it was trained on (model card)")] = None,
@@ -340,6 +340,22 @@ def doctor(
     checks = diagnose(path, tgt, store, samples=samples, prompts=prompts, max_new_tokens=max_new_tokens)
     print_checks(checks, f"draftsmith doctor {path} (target {name or 'none'})", Console())
     raise typer.Exit(exit_code(checks))
+
+
+@app.command()
+@user_errors
+def inspect(
+    path: Annotated[Path, typer.Argument(help="a drafter directory: EAGLE-3 or DFlash, ours or a foreign export")],
+    json_output: Annotated[bool, typer.Option("--json", help="one JSON object instead of the screen")] = False,
+) -> None:
+    """What a drafter is: algorithm, target, layer ids in both numberings, block/draft length, vocabulary or mask
+    token, parameters, dtype, what the serving engine needs, and the commands that serve it."""
+    import json
+
+    from draftsmith.formats.inspect import describe, render
+
+    info = describe(path)
+    print(json.dumps(info, indent=2) if json_output else render(info))
 
 
 bench_app = typer.Typer(add_completion=False, help="Load-test an OpenAI-compatible endpoint; compare two runs.")

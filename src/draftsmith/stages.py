@@ -225,7 +225,8 @@ def _safe_name(spec: str) -> str:
 
 
 class ExportConfig(StageConfig):
-    format: Literal["speculators", "sglang", "eagle"] = "speculators"  # speculators/eagle: vLLM; sglang: SGLang
+    format: Literal["speculators", "sglang", "eagle", "zlab"] = "speculators"  # speculators/eagle: vLLM; sglang:
+    # SGLang; zlab: DFlash drafters (SGLang, vLLM)
     verifier: str | None = None  # the target as the engine loads it (default: hub id of a built-in, else its path)
     speculative_tokens: int | None = Field(default=None, ge=1)  # default: the TTT depth it was trained with
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -1,4 +1,5 @@
-"""`draftsmith export`: a trained EAGLE-3 checkpoint as a directory vLLM or SGLang loads, with a model card.
+"""`draftsmith export`: a trained EAGLE-3 checkpoint as a directory vLLM or SGLang loads, or a DFlash checkpoint in
+z-lab's layout (SGLang, vLLM, the `dflash` package), with a model card.
 
 The directory is built under a temporary name and renamed into place, so a crash never leaves a half export that
 looks whole. Every export carries a `draftsmith` block in its config.json (source checkpoint, target fingerprint,
@@ -19,8 +20,8 @@ import torch
 
 from draftsmith.drafters.eagle3 import read_config, resolve_checkpoint
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.formats import sglang, speculators
-from draftsmith.formats.card import render_card
+from draftsmith.formats import sglang, speculators, zlab
+from draftsmith.formats.card import render_card, render_dflash_card
 from draftsmith.formats.common import (
     CARD_FILE,
     CONFIG_FILE,
@@ -34,7 +35,7 @@ from draftsmith.formats.common import (
     write_json,
 )
 
-FORMATS = ("speculators", "sglang", "eagle")
+FORMATS = ("speculators", "sglang", "eagle", "zlab")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,6 +59,10 @@ def export(
         raise ConfigError(f"unknown export format {fmt!r}", hint=f"use one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise ConfigError(f"unknown export dtype {dtype!r}", hint=f"use one of {', '.join(DTYPES)}")
+    from draftsmith.formats.load import is_dflash
+
+    if is_dflash(source) or fmt == "zlab":
+        return export_dflash(source, out, fmt, verifier=verifier, store=store, report=report, dtype=dtype)
     ckpt = resolve_checkpoint(source)
     config = read_config(ckpt)
     state = load_weights(ckpt)
@@ -101,6 +106,52 @@ def export(
     return out
 
 
+def export_dflash(
+    source: str | Path,
+    out: str | Path,
+    fmt: str,
+    *,
+    verifier: str | None = None,
+    store: str | Path | None = None,
+    report: str | Path | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """A DFlash checkpoint or run in z-lab's layout (the one SGLang, vLLM and `dflash` read), with its card."""
+    from draftsmith.drafters.dflash import DFlashModel
+    from draftsmith.formats.load import is_dflash, read_dflash
+
+    if not is_dflash(source):
+        raise ConfigError(f"{source} is not a DFlash drafter", hint="--format zlab exports DFlash runs only")
+    if fmt != "zlab":
+        raise ConfigError(
+            f"a DFlash drafter exports as zlab, not {fmt!r}",
+            hint="use --format zlab (z-lab's layout, which SGLang and vLLM load)",
+        )
+    config, state, _, _ = read_dflash(source)
+    ckpt = resolve_checkpoint(source) if (Path(source) / "latest").is_file() else Path(source)
+    training = training_summary(ckpt)
+    verifier = verifier or verifier_name(config.target)
+    provenance = {
+        "format": fmt,
+        "exported_by": f"draftsmith {version('draftsmith')}",
+        "source_checkpoint": str(ckpt.resolve()),
+        "store": store_summary(Path(store)) if store else None,
+        "training": training,
+        "acceptance": acceptance_summary(Path(report)) if report else None,
+    }
+    model = DFlashModel(config)
+    model.load_state_dict(state, strict=False)
+    out = Path(out)
+    _check_out(out)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    zlab.export(model, tmp, dtype, provenance)
+    (tmp / CARD_FILE).write_text(render_dflash_card(config, provenance, verifier, out.resolve()))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
 def _check_out(out: Path) -> None:
     """Overwrite only an empty directory or an earlier export, never someone's other files."""
     if not out.exists():
@@ -130,6 +181,8 @@ def training_summary(ckpt: Path) -> dict[str, Any] | None:
         "sequences": int(state.get("step", 0)) * int(cfg.get("batch_size") or 0),
         "max_length": cfg.get("max_length"),
         "ttt_steps": cfg.get("ttt_steps"),
+        "algo": cfg.get("algo", "eagle3"),
+        "block_size": cfg.get("block_size") if cfg.get("algo") == "dflash" else None,
         "lr": cfg.get("lr"),
         "seed": cfg.get("seed"),
     }
