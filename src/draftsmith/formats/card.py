@@ -182,9 +182,11 @@ def _architecture(config: Eagle3Config) -> str:
     )
 
 
-def dflash_serve_commands(verifier: str, out: Path, block_size: int) -> list[str]:
-    """SGLang and vLLM commands that serve a DFlash drafter in z-lab's layout next to its target."""
+def dflash_serve_commands(fmt: str, verifier: str, out: Path, block_size: int) -> list[str]:
+    """SGLang and vLLM commands that serve a DFlash drafter next to its target (speculators' layout: vLLM only)."""
     spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": block_size - 1})
+    if fmt == "speculators":
+        return [f"vllm serve {out}", f"vllm serve {verifier} --speculative-config '{spec}'"]
     return [
         f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm DFLASH "
         f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {block_size}",
@@ -192,20 +194,26 @@ def dflash_serve_commands(verifier: str, out: Path, block_size: int) -> list[str
     ]
 
 
-def render_dflash_card(config: DFlashConfig, prov: dict[str, Any], verifier: str, out: Path) -> str:
-    """The model card of a DFlash export (z-lab's layout)."""
+def render_dflash_card(fmt: str, config: DFlashConfig, prov: dict[str, Any], verifier: str, out: Path) -> str:
+    """The model card of a DFlash export (z-lab's or speculators' layout)."""
+    layout = "z-lab's DFlash layout (`DFlashDraftModel`)" if fmt == "zlab" else "speculators' DFlash layout"
+    ids = (
+        f"`dflash_config.target_layer_ids` = {[i - 1 for i in config.aux_layer_ids]}, z-lab's numbering (output of "
+        "decoder layer i)"
+        if fmt == "zlab"
+        else f"`aux_hidden_state_layer_ids` = {list(config.aux_layer_ids)}, vLLM's numbering (the same as ours)"
+    )
     ours = list(config.aux_layer_ids)
     return "\n".join(
         [
             f"# DFlash drafter for {config.target or verifier}",
             "",
-            f"Exported by {prov['exported_by']} in z-lab's DFlash layout (`DFlashDraftModel`), from "
-            f"`{prov['source_checkpoint']}`.",
+            f"Exported by {prov['exported_by']} in {layout}, from `{prov['source_checkpoint']}`.",
             "",
             "## Serve it",
             "",
             "```bash",
-            *dflash_serve_commands(verifier, out, config.block_size),
+            *dflash_serve_commands(fmt, verifier, out, config.block_size),
             "```",
             "",
             f"Check it first: `draftsmith doctor {out} --target {config.target or verifier}`; "
@@ -217,8 +225,7 @@ def render_dflash_card(config: DFlashConfig, prov: dict[str, Any], verifier: str
             f"(block = [last verified token, mask token {config.mask_token_id} x {config.block_size - 1}])",
             f"- target: `{config.target}` (draftsmith fingerprint `{config.target_fingerprint or 'unknown'}`), "
             f"served as `{verifier}`; the drafter uses the target's embeddings and head (not shipped)",
-            f"- target layers: draftsmith ids {ours} ({CONVENTION}); in config.json `dflash_config.target_layer_ids` "
-            f"= {[i - 1 for i in ours]}, z-lab's numbering (output of decoder layer i)",
+            f"- target layers: draftsmith ids {ours} ({CONVENTION}); in config.json {ids}",
             f"- {config.num_layers} Qwen3-style decoder layer(s) (q/k norms, no biases, plain RoPE theta "
             f"{config.rope_theta:g}), hidden size {config.hidden_size}, {config.num_attention_heads} heads "
             f"({config.num_key_value_heads} KV), vocabulary {config.vocab_size} (the target's)",

@@ -116,16 +116,18 @@ def export_dflash(
     report: str | Path | None = None,
     dtype: str = "float32",
 ) -> Path:
-    """A DFlash checkpoint or run in z-lab's layout (the one SGLang, vLLM and `dflash` read), with its card."""
+    """A DFlash checkpoint or run in z-lab's layout (what SGLang, vLLM and z-lab's `dflash` read) or speculators'
+    DFlash layout (vLLM, the speculators library), with its card."""
+    from draftsmith.drafters.dflash import FROZEN as FROZEN_DFLASH
     from draftsmith.drafters.dflash import DFlashModel
     from draftsmith.formats.load import is_dflash, read_dflash
 
     if not is_dflash(source):
         raise ConfigError(f"{source} is not a DFlash drafter", hint="--format zlab exports DFlash runs only")
-    if fmt != "zlab":
+    if fmt not in ("zlab", "speculators"):
         raise ConfigError(
-            f"a DFlash drafter exports as zlab, not {fmt!r}",
-            hint="use --format zlab (z-lab's layout, which SGLang and vLLM load)",
+            f"a DFlash drafter exports as zlab or speculators, not {fmt!r}",
+            hint="use --format zlab (z-lab's layout: SGLang, vLLM) or --format speculators (vLLM)",
         )
     config, state, _, _ = read_dflash(source)
     ckpt = resolve_checkpoint(source) if (Path(source) / "latest").is_file() else Path(source)
@@ -145,8 +147,15 @@ def export_dflash(
     _check_out(out)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    zlab.export(model, tmp, dtype, provenance)
-    (tmp / CARD_FILE).write_text(render_dflash_card(config, provenance, verifier, out.resolve()))
+    if fmt == "zlab":
+        zlab.export(model, tmp, dtype, provenance)
+    else:
+        tmp.mkdir(parents=True)
+        state = {k: v.to(DTYPES[dtype]) for k, v in model.state_dict().items() if k not in FROZEN_DFLASH}
+        save_weights(state, tmp)
+        raw = speculators.dflash_export_config(config, verifier, verifier_config(config.target), dtype, provenance)
+        write_json(tmp / CONFIG_FILE, raw)
+    (tmp / CARD_FILE).write_text(render_dflash_card(fmt, config, provenance, verifier, out.resolve()))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out

@@ -39,9 +39,9 @@ def _describe_dflash(path: Path) -> dict[str, Any]:
     config, state, fmt, notes = read_dflash(path)
     params, dtype = _weights_summary(state)
     verifier = verifier_name(config.target) or "TARGET"
-    served = path.resolve() if fmt == "zlab" else Path(EXPORT_PLACEHOLDER)
-    commands = dflash_serve_commands(verifier, served, config.block_size)
-    if fmt != "zlab":
+    served = Path(EXPORT_PLACEHOLDER) if fmt == "draftsmith" else path.resolve()
+    commands = dflash_serve_commands("zlab" if fmt == "draftsmith" else fmt, verifier, served, config.block_size)
+    if fmt == "draftsmith":
         commands.insert(0, f"draftsmith export {path} --format zlab --out {EXPORT_PLACEHOLDER}")
     return {
         "path": str(path),
@@ -53,8 +53,8 @@ def _describe_dflash(path: Path) -> dict[str, Any]:
         "layer_ids": {
             "draftsmith": list(config.aux_layer_ids),
             "draftsmith_means": CONVENTION,
-            "engine": to_zlab_ids(config.aux_layer_ids),
-            "engine_means": ZLAB_CONVENTION,
+            "engine": list(config.aux_layer_ids) if fmt == "speculators" else to_zlab_ids(config.aux_layer_ids),
+            "engine_means": CONVENTION if fmt == "speculators" else ZLAB_CONVENTION,
         },
         "block_size": config.block_size,
         "draft_tokens": config.draft_tokens,

@@ -32,6 +32,8 @@ def detect_format(path: str | Path) -> str:
     if (path / "latest").is_file():
         return "draftsmith"
     raw = read_json(path / CONFIG_FILE)
+    if zlab.is_zlab(raw):
+        return "zlab"
     if "speculators_model_type" in raw:
         return "speculators"
     if "aux_layer_ids" in raw and "hidden_size" in raw:
@@ -93,13 +95,13 @@ def build_model(converted: Converted, target: Target) -> Eagle3Model:
 
 
 def is_dflash(path: str | Path) -> bool:
-    """A DFlash drafter directory: a draftsmith DFlash checkpoint or run, or z-lab's layout."""
+    """A DFlash drafter directory: a draftsmith DFlash checkpoint or run, z-lab's layout or speculators' DFlash."""
     path = Path(path)
     ckpt = resolve_checkpoint(path) if (path / "latest").is_file() else path
     if not (ckpt / CONFIG_FILE).is_file():
         return False
     raw = read_json(ckpt / CONFIG_FILE)
-    return dflash.is_config(raw) or zlab.is_zlab(raw)
+    return dflash.is_config(raw) or zlab.is_zlab(raw) or speculators.is_dflash(raw)
 
 
 def read_dflash(
@@ -112,6 +114,9 @@ def read_dflash(
     raw = read_json(ckpt / CONFIG_FILE)
     if dflash.is_config(raw):
         config, state, fmt, notes = dflash.read_config(ckpt), load_weights(ckpt), "draftsmith", []
+    elif speculators.is_dflash(raw):
+        config, state, notes = speculators.read_dflash(raw, load_weights(ckpt), str(ckpt))
+        fmt = "speculators"
     else:
         config, state, notes = zlab.read(raw, load_weights(ckpt), str(ckpt))
         fmt = "zlab"
