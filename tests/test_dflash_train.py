@@ -101,3 +101,37 @@ def test_resume_refuses_another_block_size(tmp_path):
     with pytest.raises(ConfigError, match="block_size"):
         cfg = TrainConfig(algo="dflash", block_size=8, max_steps=2, batch_size=2, val_fraction=0)
         run(cfg, data, weights, setup(count=4, block_size=8)[3], tmp_path)
+
+
+def _ddp_worker(rank: int, port: int, cfg, data, weights, config, out) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)
+    )
+    run(cfg, data, weights, config, out)
+
+
+def test_two_processes_give_the_same_losses_as_one(tmp_path):
+    """DDP (gloo, 2 processes) against 1 process at the same global batch: the anchors are seeded by step and
+    sequence, not by the process, so both draw the same blocks (tolerance as EAGLE-3's DDP test)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    _, data, weights, config = setup(count=10)
+    cfg = TrainConfig(algo="dflash", block_size=4, max_steps=3, batch_size=4, lr=3e-3, warmup_steps=1, anchors=4,
+                      eval_every=3, val_fraction=0.2)  # fmt: skip
+    run(cfg, data, weights, config, tmp_path / "one")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = (port, cfg, data, weights, config, tmp_path / "two")
+    mp.start_processes(_ddp_worker, args=args, nprocs=2, join=True, start_method="fork")
+    one, two = curve(tmp_path / "one"), curve(tmp_path / "two")
+    assert [(r["step"], r["split"]) for r in two] == [(r["step"], r["split"]) for r in one]
+    for a, b in zip(one, two, strict=True):
+        for key, value in a.items():
+            if key != "split":
+                assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (a["step"], a["split"], key)

@@ -200,15 +200,20 @@ def dflash_gamma(block_size: int) -> float:
 class DFlashObjective:
     """The block loss, with the trainer's objective interface (as `TTTObjective`)."""
 
-    def __init__(self, block_size: int, gamma: float | None, anchors: int, kl: bool) -> None:
-        self.block_size, self.anchors, self.kl = block_size, anchors, kl
+    def __init__(self, block_size: int, gamma: float | None, anchors: int, kl: bool, seed: int = 0) -> None:
+        self.block_size, self.anchors, self.kl, self.seed = block_size, anchors, kl, seed
         self.steps = block_size - 1
         self.step_weight = math.exp(-1.0 / (gamma or dflash_gamma(block_size)))
 
-    def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-        """Draw the anchors of every sequence (padded with -1): the global RNG in training, so a resumed run draws
-        the same; a fixed generator for validation, so checkpoints compare on the same blocks."""
-        drawn = [dflash_anchors(mask, self.anchors, generator) for mask in batch["loss_mask"]]
+    def prepare(self, batch: dict[str, torch.Tensor], draw: int) -> dict[str, torch.Tensor]:
+        """Draw the anchors of every sequence (padded with -1), seeded by (seed, `draw`, the sequence's dataset
+        index): the training step's number as `draw`, so a resumed run, or one on any number of processes, draws
+        the same blocks; a fixed `draw` for validation, so checkpoints compare on the same blocks."""
+        generators = [
+            torch.Generator().manual_seed(((self.seed * 1_000_003 + draw) * 1_000_033 + int(i)) % 2**63)
+            for i in batch["index"]
+        ]
+        drawn = [dflash_anchors(mask, self.anchors, g) for mask, g in zip(batch["loss_mask"], generators, strict=True)]
         anchors = torch.full((len(drawn), max(1, max(map(len, drawn)))), -1, dtype=torch.long)
         for i, a in enumerate(drawn):
             anchors[i, : len(a)] = a
@@ -267,7 +272,7 @@ class TTTObjective:
     def __init__(self, steps: int, step_weight: float) -> None:
         self.steps, self.step_weight = steps, step_weight
 
-    def prepare(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    def prepare(self, batch: dict[str, torch.Tensor], draw: int) -> dict[str, torch.Tensor]:
         return batch
 
     def valid(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

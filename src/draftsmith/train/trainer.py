@@ -92,7 +92,7 @@ class TrainConfig(StageConfig):
     def objective(self) -> TTTObjective | DFlashObjective:
         """What one step computes: EAGLE-3's training-time test, or DFlash's block loss."""
         if self.algo == "dflash":
-            return DFlashObjective(self.block_size, self.gamma, self.anchors, self.kl)
+            return DFlashObjective(self.block_size, self.gamma, self.anchors, self.kl, self.seed)
         return TTTObjective(self.ttt_steps, self.step_weight)
 
 
@@ -280,6 +280,7 @@ class Trainer:
         size = self.cfg.micro_batch_size
         return [
             collate([self._sample(i, train) for i in mine[j : j + size]], self.cfg.max_length, self.device)
+            | {"index": torch.tensor(mine[j : j + size])}  # which dataset sequences: DFlash seeds its anchors by them
             for j in range(0, len(mine), size)
         ]
 
@@ -290,7 +291,7 @@ class Trainer:
         """One optimiser step over the global batch; returns its stats, token count and gradient norm."""
         cfg = self.cfg
         batches = self.micro_batches(global_batch(self.train_idx, self.step, cfg.batch_size, cfg.seed))
-        batches = [self.objective.prepare(batch, None) for batch in batches]
+        batches = [self.objective.prepare(batch, self.step) for batch in batches]
         counts = torch.zeros(1 + self.objective.steps, device=self.device)  # tokens, then valid positions per step
         for batch in batches:
             counts[0] += batch["loss_mask"].numel()
@@ -318,8 +319,7 @@ class Trainer:
     def validate(self) -> StepStats:
         stats = StepStats.zeros(self.objective.steps, self.device)
         ones = torch.ones(self.objective.steps, device=self.device)
-        anchors = torch.Generator().manual_seed(self.cfg.seed)  # the same blocks at every validation
-        batches: list = [self.objective.prepare(b, anchors) for b in self.micro_batches(self.val_idx, train=False)]
+        batches: list = [self.objective.prepare(b, -1) for b in self.micro_batches(self.val_idx, train=False)]
         if self.sharded is not None:  # FSDP: every rank runs as many forwards as the busiest one (collectives)
             most = torch.tensor(len(batches), device=self.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
