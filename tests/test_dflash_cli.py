@@ -47,7 +47,7 @@ def test_one_store_trains_both_and_dflash_evaluates_losslessly(trained):
 
 
 def test_export_zlab_inspect_and_doctor(trained):
-    tmp, model, _ = trained
+    tmp, model, convs = trained
     run = CliRunner().invoke
     result = run(app, ["export", str(tmp / "dflash"), "--format", "zlab", "--out", str(tmp / "zlab"),
                        "--store", str(tmp / "store")])  # fmt: skip
@@ -64,6 +64,14 @@ def test_export_zlab_inspect_and_doctor(trained):
     assert info["algorithm"] == "dflash" and info["block_size"] == 8 and info["format"] == "zlab"
     assert info["layer_ids"]["draftsmith"] == [1, 2, 3] and info["layer_ids"]["engine"] == [0, 1, 2]
     assert info["parameters"] > 0 and info["dtype"] == "float32" and len(info["serve"]) == 2
+    result = run(app, ["eval", "--target", model, "--drafter", str(tmp / "zlab"), "--dataset", str(convs),
+                       "--limit", "1", "--max-new-tokens", "8", "--num-draft-tokens", "7",
+                       "--out", str(tmp / "eval-zlab")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp / "eval-zlab" / "report.json").read_text())["mismatches"] == 0
+    result = run(app, ["inspect", str(tmp / "dflash")])
+    assert result.exit_code == 0 and "DFLASH drafter, draftsmith layout" in result.output
+    assert "draftsmith export" in result.output and "--speculative-algorithm DFLASH" in result.output
     result = run(app, ["inspect", str(tmp / "eagle3")])
     assert result.exit_code == 0 and "EAGLE3 drafter" in result.output and "draft vocabulary 16" in result.output
     assert "draftsmith export" in result.output  # a training run is served through its export
