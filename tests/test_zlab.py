@@ -16,6 +16,7 @@ from draftsmith.formats import zlab
 from draftsmith.formats.load import load_drafter
 from tests.conftest import tiny_target
 from tests.test_dflash import make_model
+from tests.test_engine import reference
 
 dflash_model = pytest.importorskip("dflash.model", reason="z-lab's dflash package (pip install --no-deps dflash)")
 
@@ -170,3 +171,5 @@ def test_smollm2_export_decodes_like_zlab(smollm2, tmp_path):
         our_logits(drafter, smollm2, prompt), reference_logits(ref, smollm2, prompt, 16), atol=2e-4, rtol=2e-4
     )
     assert assert_same_decoding(ref, smollm2, DFlashDrafter(model), prompt, 32) >= 1
+    ours = SpeculativeDecoder(smollm2, DFlashDrafter(model), 15).generate(prompt, 32).tokens
+    assert ours == reference(smollm2, prompt, 32)  # and both are the target's own greedy output
