@@ -107,3 +107,37 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path, change, message):
 def test_block_size_one_is_refused():
     with pytest.raises(DraftsmithError, match="block size must be at least 2"):
         DFlashConfig.from_target(tiny_target(0), 1, (1,), block_size=1, fingerprint="x")
+
+
+def with_draft_vocab(model: DFlashModel, target, size: int, seed: int = 0) -> DFlashModel:
+    """The same weights with a random draft vocabulary of `size` target tokens (what the vocab stage would pick)."""
+    config = model.config.model_copy(update={"draft_vocab_size": size})
+    restricted = DFlashModel(config).attach_target(target)
+    restricted.load_state_dict(
+        model.state_dict() | {"draft_ids": torch.randperm(target.vocab_size)[:size]}, strict=False
+    )
+    return restricted
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(seed):
+    target = tiny_target(seed, vocab_size=12)
+    model = with_draft_vocab(make_model(target, 8, seed=seed), target, 6)
+    allowed = set(model.draft_ids.tolist())
+    drafter = DFlashDrafter(model)
+    prompt = [0, 3, 4, 5]
+    out = SpeculativeDecoder(target, drafter, 7).generate(prompt, 30)
+    assert out.tokens == reference(target, prompt, 30)
+    tokens = torch.tensor(prompt + out.tokens[:10])
+    drafter.begin(tokens[:-1], target.forward(tokens[:-1], target.new_cache(), drafter.aux_layer_ids).aux_hidden)
+    draft = drafter.propose(tokens, 7, 1.0, torch.Generator().manual_seed(0))
+    assert set(draft.tokens.tolist()) <= allowed and torch.allclose(draft.probs.sum(-1), torch.ones(7))
+    assert float(draft.probs[:, [i for i in range(12) if i not in allowed]].sum()) == 0.0
+
+
+def test_sampling_is_lossless_with_a_draft_vocabulary():
+    target = tiny_target(seed=3, vocab_size=5, layers=2, init_std=0.5)
+    model = with_draft_vocab(make_model(target, block_size=3, layers=1, ids=(1,)), target, 3)
+    prompt, runs, temperature = [2, 3, 4], 3000, 1.0
+    counts = sample_engine(target, DFlashDrafter(model), prompt, 4, runs, temperature)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, 4, temperature), runs) > P_VALUE_FLOOR

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from draftsmith.cli import app
@@ -102,3 +103,24 @@ def test_dflash_export_refuses_eagle_formats(trained):
     tmp, _, _ = trained
     result = CliRunner().invoke(app, ["export", str(tmp / "dflash"), "--format", "sglang", "--out", str(tmp / "y")])
     assert result.exit_code == 2 and "exports as zlab or speculators" in result.output
+
+
+def test_draft_vocabulary_is_kept_for_our_engine_and_left_out_of_exports(trained):
+    from safetensors.torch import load_file
+
+    tmp, model, convs = trained
+    run = CliRunner().invoke
+    result = run(app, ["train", str(tmp / "store"), "--vocab", str(tmp / "vocab"), "--target", model, "--out",
+                       str(tmp / "dflash-vocab"), "--algo", "dflash", "--block-size", "4", "--draft-vocab",
+                       "--max-steps", "1", "--batch-size", "2", "--anchors", "2"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    ckpt = tmp / "dflash-vocab" / "checkpoints" / "step-000001"
+    vocab = load_file(tmp / "vocab" / "vocab.safetensors")
+    assert torch.equal(load_file(ckpt / "model.safetensors")["draft_ids"], torch.arange(16) + vocab["d2t"])
+    result = run(app, ["eval", "--target", model, "--drafter", str(tmp / "dflash-vocab"), "--dataset", str(convs),
+                       "--limit", "1", "--max-new-tokens", "8", "--num-draft-tokens", "3",
+                       "--out", str(tmp / "eval-vocab")])  # fmt: skip
+    assert result.exit_code == 0 and json.loads((tmp / "eval-vocab" / "report.json").read_text())["mismatches"] == 0
+    assert run(app, ["export", str(tmp / "dflash-vocab"), "--format", "zlab", "--out", str(tmp / "z2")]).exit_code == 0
+    assert "draft_ids" not in load_file(tmp / "z2" / "model.safetensors")
+    assert json.loads(run(app, ["inspect", str(tmp / "dflash-vocab"), "--json"]).output)["draft_vocab_size"] == 16

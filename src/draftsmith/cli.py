@@ -209,6 +209,7 @@ def train(
     mask_token_id: Annotated[int | None, typer.Option(help="dflash: mask token (default: a spare special token)")] = (
         None
     ),
+    draft_vocab: Annotated[bool, typer.Option(help="dflash: score only --vocab's tokens when drafting")] = False,
 ) -> None:
     """Train an EAGLE-3 drafter with the training-time test, or (--algo dflash) a DFlash block drafter (resumes by
     default; torchrun: DDP, or FSDP with --fsdp for EAGLE-3)."""

@@ -123,7 +123,7 @@ def train(
 ) -> TrainResult:
     """Train `cfg.algo` (EAGLE-3 or DFlash) on an extract store, or with `online` on a data stage directory
     (features computed as samples are drawn, from the states entering `layers`). One store serves both: DFlash
-    reads every layer the store holds and needs no draft vocabulary (`vocab_dir` is EAGLE-3's)."""
+    reads every layer the store holds; it reads `vocab_dir` only with `draft_vocab` (its engine's draft vocabulary)."""
     from draftsmith.drafters.dflash import DFlashConfig
     from draftsmith.drafters.eagle3 import VARIANTS, Eagle3Config
     from draftsmith.train.trainer import train as run_train
@@ -140,10 +140,12 @@ def train(
     embed = target.model.get_input_embeddings().weight.detach()
     fingerprint = dataset.manifest["target_fingerprint"]
     if cfg.algo == "dflash":
+        d2t = DraftVocab.load(vocab_dir).d2t if cfg.draft_vocab else None
         dflash_config = DFlashConfig.from_target(
-            target, cfg.draft_layers, dataset.layer_ids, cfg.block_size, cfg.mask_token_id, fingerprint
-        )
-        return run_train(cfg, dataset, head, embed, None, None, dflash_config, out, resume=not fresh)
+            target, cfg.draft_layers, dataset.layer_ids, cfg.block_size, cfg.mask_token_id, fingerprint,
+            draft_vocab_size=None if d2t is None else len(d2t),
+        )  # fmt: skip
+        return run_train(cfg, dataset, head, embed, d2t, None, dflash_config, out, resume=not fresh)
     draft_vocab = DraftVocab.load(vocab_dir)
     model_config = Eagle3Config.from_target(
         target,

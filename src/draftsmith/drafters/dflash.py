@@ -35,12 +35,13 @@ from torch import nn
 from draftsmith.drafters.base import Draft
 from draftsmith.drafters.eagle3 import MLP, RMSNorm, rope_tables, rotate
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.packed import pack_linears
+from draftsmith.packed import PackedLinear, can_pack, pack_linears
 from draftsmith.target import Target
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight", "lm_head.weight")  # the target's own: restored from the target, never saved
+ENGINE_ONLY = ("draft_ids",)  # draftsmith's own engine's draft vocabulary: saved, never exported (engines use the head)
 ALGORITHM = "dflash"
 
 
@@ -64,6 +65,9 @@ class DFlashConfig(BaseModel):
     aux_layer_ids: tuple[int, ...]  # draftsmith numbering: hidden_states[i], entering layer i
     block_size: int = Field(ge=2)
     mask_token_id: int = Field(ge=0)
+    # With a draft vocabulary, draftsmith's engine scores only these target tokens (`draft_ids`, e.g. the EAGLE-3
+    # vocab stage's): the head costs Vd/V as much, and any q is lossless. Training and exports keep the full head.
+    draft_vocab_size: int | None = Field(default=None, ge=1)
     target: str = ""
     target_fingerprint: str = ""
 
@@ -81,6 +85,7 @@ class DFlashConfig(BaseModel):
         block_size: int = 16,
         mask_token_id: int | None = None,
         fingerprint: str | None = None,
+        draft_vocab_size: int | None = None,
     ) -> DFlashConfig:
         """Shape the drafter's layers like the target's; default layer ids as z-lab picks them (one per draft
         layer, spread over the target), default mask token from `default_mask_token`."""
@@ -110,6 +115,7 @@ class DFlashConfig(BaseModel):
             aux_layer_ids=ids,
             block_size=check_block_size(block_size),
             mask_token_id=mask,
+            draft_vocab_size=draft_vocab_size,
             target=target.name,
             target_fingerprint=target.fingerprint() if fingerprint is None else fingerprint,
         )
@@ -242,6 +248,8 @@ class DFlashModel(nn.Module):
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
+        if config.draft_vocab_size is not None:
+            self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size))
 
     def attach(self, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> DFlashModel:
         """Use the target's embeddings and head (shared, not copied: they stay frozen)."""
@@ -279,11 +287,20 @@ class DFlashModel(nn.Module):
 
 
 class DFlashDrafter:
-    """The drafter protocol over a `DFlashModel`: one block forward per round, context keys/values cached."""
+    """The drafter protocol over a `DFlashModel`: one block forward per round, context keys/values cached.
+
+    With a draft vocabulary (`draft_ids`), drafts are scored over those target tokens only, by the matching rows of
+    the target's head (`head`)."""
 
     def __init__(self, model: DFlashModel, name: str = ALGORITHM) -> None:
         self.name = name
         self.model = model.eval()
+        self.draft_ids: torch.Tensor | None = getattr(model, "draft_ids", None)
+        self.head = model.lm_head
+        if self.draft_ids is not None:
+            rows = nn.Linear(model.config.hidden_size, len(self.draft_ids), bias=False)
+            rows.weight = nn.Parameter(model.lm_head.weight.detach()[self.draft_ids], requires_grad=False)
+            self.head = PackedLinear(rows) if can_pack(rows) else rows
         pack_linears(model)  # a block is B rows: packed weights make it cost about one row
         self.aux_layer_ids: tuple[int, ...] = tuple(model.config.aux_layer_ids)
         self.begin(torch.empty(0, dtype=torch.long), None)
@@ -316,27 +333,39 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def block_logits(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
-        """Logits (count, V) for the `count` tokens after `tokens`, from one block forward."""
+        """Logits (count, V) over the full vocabulary for the `count` tokens after `tokens` (one block forward)."""
+        return self.model.lm_head(self._block(tokens, count)).float()
+
+    @torch.inference_mode()
+    def _block(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
+        """The normed hidden states (count, H) of the block's first `count` mask positions."""
         self._extend_context()
         if self.context != len(tokens) - 1:
             raise RuntimeError(f"DFlash context covers {self.context} positions, expected {len(tokens) - 1}")
         block = torch.full((1, self.block_size), self.model.config.mask_token_id, device=self.device)
         block[0, 0] = tokens[-1]
         positions = torch.arange(self.context, self.context + self.block_size, device=self.device)
-        hidden = self.model.block_hidden(block, positions, self.kv)
-        return self.model.lm_head(hidden[0, 1 : 1 + count]).float()
+        return self.model.block_hidden(block, positions, self.kv)[0, 1 : 1 + count]
 
     def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator) -> Draft:
         count = min(max_tokens, self.block_size - 1)
         if count < 1:
             return Draft.empty()
-        logits = self.block_logits(tokens, count).cpu()
+        with torch.inference_mode():
+            logits = self.head(self._block(tokens, count)).float().cpu()
+        ids = None if self.draft_ids is None else self.draft_ids.cpu()
         if temperature <= 0:
-            return Draft(logits.argmax(-1))
+            choice = logits.argmax(-1)
+            return Draft(choice if ids is None else ids[choice])
         # Every block position is drawn from its own q: the positions are independent given the context, and each
         # q is what the verifier needs for the token at that position.
         q = torch.softmax(logits / temperature, dim=-1)
-        return Draft(torch.multinomial(q, 1, generator=generator)[:, 0], q)
+        choice = torch.multinomial(q, 1, generator=generator)[:, 0]
+        if ids is None:
+            return Draft(choice, q)
+        full = q.new_zeros(len(q), self.model.config.vocab_size)
+        full[:, ids] = q
+        return Draft(ids[choice], full)
 
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:
         """The confirmed positions' features join the context next round; the block left no state to roll back."""

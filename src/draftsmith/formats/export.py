@@ -118,8 +118,8 @@ def export_dflash(
 ) -> Path:
     """A DFlash checkpoint or run in z-lab's layout (what SGLang, vLLM and z-lab's `dflash` read) or speculators'
     DFlash layout (vLLM, the speculators library), with its card."""
+    from draftsmith.drafters.dflash import ENGINE_ONLY, DFlashModel
     from draftsmith.drafters.dflash import FROZEN as FROZEN_DFLASH
-    from draftsmith.drafters.dflash import DFlashModel
     from draftsmith.formats.load import is_dflash, read_dflash
 
     if not is_dflash(source):
@@ -141,8 +141,8 @@ def export_dflash(
         "training": training,
         "acceptance": acceptance_summary(Path(report)) if report else None,
     }
-    model = DFlashModel(config)
-    model.load_state_dict(state, strict=False)
+    model = DFlashModel(config.model_copy(update={"draft_vocab_size": None}))  # engines decode with the full head
+    model.load_state_dict({k: v for k, v in state.items() if k not in ENGINE_ONLY}, strict=False)
     out = Path(out)
     _check_out(out)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")

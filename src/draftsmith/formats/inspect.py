@@ -59,7 +59,7 @@ def _describe_dflash(path: Path) -> dict[str, Any]:
         "block_size": config.block_size,
         "draft_tokens": config.draft_tokens,
         "mask_token_id": config.mask_token_id,
-        "draft_vocab_size": None,
+        "draft_vocab_size": config.draft_vocab_size,  # draftsmith's engine only; exports use the full head
         "vocab_size": config.vocab_size,
         "draft_layers": config.num_layers,
         "hidden_size": config.hidden_size,

@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-from draftsmith.drafters.dflash import FROZEN, DFlashConfig, DFlashModel, check_block_size, default_layer_ids
+from draftsmith.drafters.dflash import (
+    ENGINE_ONLY,
+    FROZEN,
+    DFlashConfig,
+    DFlashModel,
+    check_block_size,
+    default_layer_ids,
+)
 from draftsmith.errors import DraftsmithError
 from draftsmith.formats.common import PROVENANCE_KEY, save_weights, write_json
 
@@ -89,7 +96,7 @@ def export(model: DFlashModel, out: Path, dtype: str = "bfloat16", provenance: d
     """Write `model` into `out` in z-lab's layout (weights in `dtype`)."""
     out.mkdir(parents=True, exist_ok=True)
     torch_dtype = getattr(torch, dtype)
-    state = {k: v.to(torch_dtype) for k, v in model.state_dict().items() if k not in FROZEN}
+    state = {k: v.to(torch_dtype) for k, v in model.state_dict().items() if k not in FROZEN + ENGINE_ONLY}
     save_weights(state, out)
     write_json(out / "config.json", export_config(model.config, dtype, provenance))
     return out

@@ -88,6 +88,7 @@ class TrainConfig(StageConfig):
     anchors: int = Field(default=32, ge=1)  # blocks per sequence per step
     kl: bool = False  # KL to the target's distribution instead of cross entropy on the target-written token
     mask_token_id: int | None = Field(default=None, ge=0)  # None: the tokenizer's mask, else a spare special token
+    draft_vocab: bool = False  # draftsmith's engine scores only the vocab stage's tokens (training: the full head)
 
     def objective(self) -> TTTObjective | DFlashObjective:
         """What one step computes: EAGLE-3's training-time test, or DFlash's block loss."""
@@ -119,7 +120,8 @@ def train(
     """Train a drafter on `dataset` (dicts of input_ids, loss_mask, aux_hidden, last_hidden) into `out_dir`.
 
     `target_head` (V, H) is the target's frozen output head: with `last_hidden` it gives the target distribution.
-    A `DFlashConfig` trains a DFlash drafter (no draft vocabulary: d2t/t2d are unused; it decodes with the head).
+    A `DFlashConfig` trains a DFlash drafter with the target's full head; with `draft_vocab_size` the checkpoint also
+    keeps d2t's tokens as the draft vocabulary draftsmith's engine scores (t2d is unused).
     With `resume`, training continues from `out_dir/latest` when there is one; otherwise it starts over and
     deletes the directory's earlier checkpoints.
     """
@@ -138,6 +140,8 @@ def train(
             if cfg.fsdp and world > 1:
                 raise ConfigError("--fsdp does not train DFlash drafters yet", hint="use DDP (drop --fsdp)")
             model = DFlashModel(model_config).attach(embed_weight, target_head)
+            if model_config.draft_vocab_size is not None and d2t is not None:
+                model.draft_ids.copy_(torch.arange(len(d2t)) + d2t.long().cpu())
             return Trainer(cfg, dataset, model, target_head, Path(out_dir), device).run(resume)
         model = Eagle3Model.from_weights(model_config, embed_weight, target_head, d2t, t2d)
         model.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
