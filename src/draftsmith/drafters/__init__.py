@@ -1,4 +1,4 @@
-"""Drafters. Directory layouts (EAGLE-3 checkpoints, exports) are read by `draftsmith.formats`, which hands a
+"""Drafters. Directory layouts (EAGLE-3 and DFlash checkpoints, exports) are read by `draftsmith.formats`, which hands a
 drafter its weights; this package never reads a layout itself (see `formats.load.build_drafter`)."""
 
 from draftsmith.drafters.base import Draft, Drafter, NullDrafter
@@ -8,7 +8,9 @@ from draftsmith.target import Target, load_target
 
 __all__ = ["BUILTIN_HINT", "Draft", "Drafter", "NullDrafter", "builtin_drafter", "fixed_twin"]
 
-BUILTIN_HINT = "use ngram, ngram:MIN-MAX, model:<hub id or directory>, none, or an EAGLE-3 run/checkpoint directory"
+BUILTIN_HINT = (
+    "use ngram, ngram:MIN-MAX, model:<hub id or directory>, none, dflash:DIR, or an EAGLE-3 run/checkpoint directory"
+)
 
 
 def builtin_drafter(spec: str, target: Target, dtype: str = "float32") -> Drafter:

@@ -212,6 +212,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, theta: float, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (T, head_dim) for `positions` (T,), on `like`'s device and dtype. The angles are computed in fp32
+    whatever the model's dtype, as Llama and Qwen3 compute them."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=like.device).float() / head_dim)
+    angles = positions.to(like.device, torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
@@ -390,13 +401,7 @@ class Eagle3Model(nn.Module):
         It is what the next draft step reads as its hidden: the layer's output, or with `norm_output` its `norm`.
         """
         cfg = self.config
-        # RoPE angles in fp32 whatever the model's dtype, as Llama computes them.
-        inv_freq = 1.0 / cfg.rope_theta ** (
-            torch.arange(0, cfg.head_dim, 2, device=embeds.device).float() / cfg.head_dim
-        )
-        angles = positions.to(embeds.device, torch.float32)[:, None] * inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        cos, sin = angles.cos().to(embeds.dtype), angles.sin().to(embeds.dtype)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, embeds)
         out = self.midlayer(embeds, hidden, cos, sin, cache)
         return self.norm(out) if cfg.norm_output else out
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from draftsmith.drafters.dflash import DFlashConfig
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.formats.common import CONVENTION, SGLANG_CONVENTION, SGLANG_RULE
 
@@ -121,6 +122,12 @@ def _data_lines(store: dict[str, Any] | None) -> list[str]:
 def _training_lines(training: dict[str, Any] | None) -> list[str]:
     if not training:
         return ["- training budget: not recorded (no trainer_state.pt beside the checkpoint)"]
+    if training.get("algo") == "dflash":
+        return [
+            f"- training budget: {training['steps']} steps x {training['batch_size']} sequences "
+            f"({training['sequences']} sequences, up to {training['max_length']} tokens each), DFlash block loss with "
+            f"blocks of {training['block_size']}, lr {training['lr']}, seed {training['seed']}"
+        ]
     return [
         f"- training budget: {training['steps']} steps x {training['batch_size']} sequences "
         f"({training['sequences']} sequences, up to {training['max_length']} tokens each), training-time test depth "
@@ -172,4 +179,65 @@ def _architecture(config: Eagle3Config) -> str:
         f"One {'Qwen3' if config.qk_norm else 'Llama'} decoder layer whose attention reads "
         f"cat(input_layernorm(embed(token)), hidden_norm(h)); the residual is {residual}; {fc}; {carried} the next "
         f"draft step's h. As speculators switches: {switches}."
+    )
+
+
+def dflash_serve_commands(fmt: str, verifier: str, out: Path, block_size: int) -> list[str]:
+    """SGLang and vLLM commands that serve a DFlash drafter next to its target (speculators' layout: vLLM only)."""
+    spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": block_size - 1})
+    if fmt == "speculators":
+        return [f"vllm serve {out}", f"vllm serve {verifier} --speculative-config '{spec}'"]
+    return [
+        f"python -m sglang.launch_server --model-path {verifier} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {block_size}",
+        f"vllm serve {verifier} --speculative-config '{spec}'",
+    ]
+
+
+def render_dflash_card(fmt: str, config: DFlashConfig, prov: dict[str, Any], verifier: str, out: Path) -> str:
+    """The model card of a DFlash export (z-lab's or speculators' layout)."""
+    layout = "z-lab's DFlash layout (`DFlashDraftModel`)" if fmt == "zlab" else "speculators' DFlash layout"
+    ids = (
+        f"`dflash_config.target_layer_ids` = {[i - 1 for i in config.aux_layer_ids]}, z-lab's numbering (output of "
+        "decoder layer i)"
+        if fmt == "zlab"
+        else f"`aux_hidden_state_layer_ids` = {list(config.aux_layer_ids)}, vLLM's numbering (the same as ours)"
+    )
+    ours = list(config.aux_layer_ids)
+    return "\n".join(
+        [
+            f"# DFlash drafter for {config.target or verifier}",
+            "",
+            f"Exported by {prov['exported_by']} in {layout}, from `{prov['source_checkpoint']}`.",
+            "",
+            "## Serve it",
+            "",
+            "```bash",
+            *dflash_serve_commands(fmt, verifier, out, config.block_size),
+            "```",
+            "",
+            f"Check it first: `draftsmith doctor {out} --target {config.target or verifier}`; "
+            f"`draftsmith inspect {out}` shows this summary.",
+            "",
+            "## What it is",
+            "",
+            f"- block size {config.block_size}: each round drafts {config.block_size - 1} tokens in one forward "
+            f"(block = [last verified token, mask token {config.mask_token_id} x {config.block_size - 1}])",
+            f"- target: `{config.target}` (draftsmith fingerprint `{config.target_fingerprint or 'unknown'}`), "
+            f"served as `{verifier}`; the drafter uses the target's embeddings and head (not shipped)",
+            f"- target layers: draftsmith ids {ours} ({CONVENTION}); in config.json {ids}",
+            f"- {config.num_layers} Qwen3-style decoder layer(s) (q/k norms, no biases, plain RoPE theta "
+            f"{config.rope_theta:g}), hidden size {config.hidden_size}, {config.num_attention_heads} heads "
+            f"({config.num_key_value_heads} KV), vocabulary {config.vocab_size} (the target's)",
+            "",
+            "## Data and training",
+            "",
+            *_data_lines(prov.get("store")),
+            *_training_lines(prov.get("training")),
+            "",
+            "## Measured acceptance",
+            "",
+            *_acceptance_lines(prov.get("acceptance"), prov.get("training")),
+            "",
+        ]
     )

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from draftsmith.data.tokenize import encode_chat
+from draftsmith.drafters.base import Drafter
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.errors import DraftsmithError
 from draftsmith.formats.common import (
@@ -29,7 +30,7 @@ from draftsmith.formats.common import (
     read_json,
     required_keys,
 )
-from draftsmith.formats.load import build_model, checkpoint_dir, detect_format, read_drafter
+from draftsmith.formats.load import build_model, checkpoint_dir, detect_format, is_dflash, read_dflash, read_drafter
 from draftsmith.formats.speculators import to_speculators_key
 from draftsmith.target import Target
 from draftsmith.vocab import check_vocab
@@ -62,6 +63,9 @@ def diagnose(
     num_draft_tokens: int = 4,
 ) -> list[Check]:
     """All checks for the drafter at `path`; target-dependent ones are SKIPped without a target or a store."""
+    if is_dflash(path):
+        return diagnose_dflash(path, target, store, samples=samples, max_tokens=max_tokens, prompts=prompts,
+                               max_new_tokens=max_new_tokens)  # fmt: skip
     checks: list[Check] = []
     try:
         fmt = detect_format(path)
@@ -80,7 +84,7 @@ def diagnose(
     checks.append(check_shapes(converted, target))
     checks.append(check_vocabulary(converted, target, store))
     checks.append(check_layers(fmt, converted, target, store))
-    checks.append(check_fingerprint(converted, target, store))
+    checks.append(check_fingerprint(converted.config.target_fingerprint, target, store))
     checks.append(check_hidden_states(target, store, samples, max_tokens))
     if any(c.status == "FAIL" for c in checks if c.name in ("weights", "shapes", "vocabulary", "aux layers")):
         checks.append(Check("acceptance", "SKIP", "not run: fix the failures above first"))
@@ -207,8 +211,8 @@ def check_layers(fmt: str, converted: Converted, target: Target | None, store: s
     return Check("aux layers", status, f"inputs of layers {ids} ({note}); {stated}")
 
 
-def check_fingerprint(converted: Converted, target: Target | None, store: str | Path | None) -> Check:
-    trained = converted.config.target_fingerprint
+def check_fingerprint(trained: str, target: Target | None, store: str | Path | None) -> Check:
+    """`trained`: the fingerprint of the target the drafter was trained for ("" when not recorded)."""
     if store is not None:
         stored = read_json(Path(store) / "manifest.json").get("target_fingerprint")
         if trained and stored != trained:
@@ -312,7 +316,6 @@ def check_acceptance(
     """A short greedy speculative run; an acceptance length near 1 means the drafter is effectively useless."""
     if target is None:
         return Check("acceptance", "SKIP", "needs --target")
-    from draftsmith.decode.engine import SpeculativeDecoder
     from draftsmith.drafters.eagle3 import Eagle3Drafter
 
     try:
@@ -320,7 +323,15 @@ def check_acceptance(
             drafter = Eagle3Drafter(build_model(converted, target))
     except DraftsmithError as exc:
         return Check("acceptance", "FAIL", f"the drafter does not load: {exc.message}")
-    decoder = SpeculativeDecoder(target, drafter, num_draft_tokens)
+    return smoke_acceptance(drafter, target, store, prompts, max_new_tokens, num_draft_tokens)
+
+
+def smoke_acceptance(
+    drafter: Drafter, target: Target, store: str | Path | None, prompts: int, max_new_tokens: int, draft_tokens: int
+) -> Check:
+    from draftsmith.decode.engine import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(target, drafter, draft_tokens)
     tokens = forwards = 0
     for ids in smoke_prompts(target, store, prompts):
         out = decoder.generate(ids, max_new_tokens)
@@ -339,6 +350,108 @@ def check_acceptance(
     if tau <= WARN_ACCEPTANCE:
         return Check("acceptance", "WARN", f"{line}: low; see the checks above, or train longer")
     return Check("acceptance", "PASS", line)
+
+
+def diagnose_dflash(
+    path: str | Path,
+    target: Target | None,
+    store: str | Path | None,
+    *,
+    samples: int,
+    max_tokens: int,
+    prompts: int,
+    max_new_tokens: int,
+) -> list[Check]:
+    """The checks of a DFlash directory (ours or z-lab's): weights, block size, layer ids and their numbering, mask
+    token, hidden sizes, target fingerprint, hidden states against the store, and a greedy acceptance run."""
+    from draftsmith.drafters import dflash
+
+    try:
+        config, state, fmt, notes = read_dflash(path)
+    except DraftsmithError as exc:
+        return [Check("format", "PASS", "a DFlash layout"), Check("config", "FAIL", exc.message)]
+    engine = "draftsmith" if fmt == "draftsmith" else "SGLang / vLLM / z-lab dflash"
+    checks = [Check("format", "PASS", f"{fmt} DFlash layout, loaded by {engine}")]
+    expected = {k: tuple(v.shape) for k, v in dflash.DFlashModel(config).state_dict().items() if k not in dflash.FROZEN}
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    missing, unknown = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    wrong = [f"{k} {found[k]} != {expected[k]}" for k in set(expected) & set(found) if found[k] != expected[k]]
+    if missing or unknown or wrong:
+        parts = [f"missing {missing[:3]}"] * bool(missing) + [f"unknown {unknown[:3]}"] * bool(unknown) + wrong[:3]
+        checks.append(Check("weights", "FAIL", "; ".join(parts)))
+    else:
+        checks.append(Check("weights", "PASS", f"{len(found)} tensors with the names and shapes of the config"))
+    b = config.block_size
+    usual = b in (8, 16)
+    detail = f"{b}: {b - 1} draft tokens per round" + ("" if usual else "; published drafters use 8 or 16")
+    checks.append(Check("block size", "PASS" if usual else "WARN", detail))
+    checks.append(check_dflash_target(config, target))
+    checks.append(check_dflash_layers(config, notes, target, store))
+    checks.append(check_mask_token(config, target, store))
+    checks.append(check_fingerprint(config.target_fingerprint, target, store))
+    checks.append(check_hidden_states(target, store, samples, max_tokens))
+    if any(c.status == "FAIL" for c in checks) or target is None:
+        checks.append(Check("acceptance", "SKIP", "needs --target" if target is None else "fix the failures first"))
+    else:
+        with torch.no_grad():
+            drafter = dflash.DFlashDrafter(dflash.build_model(config, state, target))
+        checks.append(smoke_acceptance(drafter, target, store, prompts, max_new_tokens, b - 1))
+    return checks
+
+
+def check_dflash_target(config, target: Target | None) -> Check:
+    if target is None:
+        return Check("hidden sizes", "SKIP", "no target given (--target)")
+    sizes = [("hidden size", config.hidden_size, target.hidden_size), ("vocabulary", config.vocab_size,
+             target.vocab_size), ("target depth", config.target_num_layers, target.num_layers)]  # fmt: skip
+    bad = [f"{what} {mine} != target's {theirs}" for what, mine, theirs in sizes if mine != theirs]
+    if bad:
+        return Check("hidden sizes", "FAIL", "; ".join(bad) + f": made for {config.target or 'another target'}")
+    return Check("hidden sizes", "PASS", f"hidden {config.hidden_size}, vocabulary {config.vocab_size}, "
+                 f"{config.target_num_layers} target layers: as {target.name}")  # fmt: skip
+
+
+def check_dflash_layers(config, notes: list[str], target: Target | None, store: str | Path | None) -> Check:
+    ids = list(config.aux_layer_ids)
+    depth = target.num_layers if target is not None else config.target_num_layers
+    problems = []
+    if min(ids) < 0 or max(ids) >= depth:
+        problems.append(f"draftsmith ids {ids} (z-lab {[i - 1 for i in ids]}) are outside 0..{depth - 1} of a "
+                        f"{depth}-layer target")  # fmt: skip
+    if len(set(ids)) != len(ids) or ids != sorted(ids):
+        problems.append(f"ids {ids} are not distinct and ascending")
+    if store is not None:
+        stored = list(read_json(Path(store) / "manifest.json").get("layer_ids", []))
+        if stored != ids:
+            problems.append(f"the store holds layers {stored} but the drafter reads {ids} (shifted by one?)")
+    if problems:
+        return Check("target layers", "FAIL", "; ".join(problems))
+    return Check("target layers", "PASS", f"inputs of layers {ids} = z-lab outputs of layers {[i - 1 for i in ids]}"
+                 + (f" ({'; '.join(notes)})" if notes else ""))  # fmt: skip
+
+
+def check_mask_token(config, target: Target | None, store: str | Path | None) -> Check:
+    """The mask token must be in the vocabulary, and never a token the target writes (its embedding then means
+    both "unknown" and that token)."""
+    mask = config.mask_token_id
+    if target is not None and not 0 <= mask < target.vocab_size:
+        return Check("mask token", "FAIL", f"{mask} is outside the target's vocabulary 0..{target.vocab_size - 1}")
+    if store is not None:
+        from draftsmith.store import HiddenStateStore
+
+        data = HiddenStateStore(store)
+        written = sum(int((item["input_ids"][item["loss_mask"].bool()] == mask).sum()) for item in data)
+        if written:
+            return Check("mask token", "FAIL", f"{mask} is written by the target {written} times in the store")
+    if target is None:
+        return Check("mask token", "PASS", f"{mask} (vocabulary not checked: no --target)")
+    special = mask in target.tokenizer.all_special_ids
+    text = target.tokenizer.convert_ids_to_tokens(mask)
+    if store is None and not special:
+        return Check("mask token", "WARN", f"{mask} ({text!r}) is not a special token; pass --store to check that "
+                     "the target never writes it")  # fmt: skip
+    return Check("mask token", "PASS", f"{mask} ({text!r})" + (", a special token" if special else "")
+                 + (", never written by the target in the store" if store is not None else ""))  # fmt: skip
 
 
 def smoke_prompts(target: Target, store: str | Path | None, n: int) -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""`draftsmith export`: a trained EAGLE-3 checkpoint as a directory vLLM or SGLang loads, with a model card.
+"""`draftsmith export`: a trained EAGLE-3 checkpoint as a directory vLLM or SGLang loads, or a DFlash checkpoint in
+z-lab's layout (SGLang, vLLM, the `dflash` package), with a model card.
 
 The directory is built under a temporary name and renamed into place, so a crash never leaves a half export that
 looks whole. Every export carries a `draftsmith` block in its config.json (source checkpoint, target fingerprint,
@@ -18,8 +19,8 @@ import torch
 
 from draftsmith.drafters.eagle3 import read_config, resolve_checkpoint
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.formats import sglang, speculators
-from draftsmith.formats.card import render_card
+from draftsmith.formats import sglang, speculators, zlab
+from draftsmith.formats.card import render_card, render_dflash_card
 from draftsmith.formats.common import (
     CARD_FILE,
     CONFIG_FILE,
@@ -35,7 +36,7 @@ from draftsmith.formats.common import (
 from draftsmith.train.metrics import read_jsonl
 from draftsmith.util import crash_point, dir_owner, fsync_tree, recover_swap, swap_dirs, sweep_temp, temp_path
 
-FORMATS = ("speculators", "sglang", "eagle")
+FORMATS = ("speculators", "sglang", "eagle", "zlab")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,6 +66,35 @@ def export(
     recover_swap(out)
     sweep_temp(out.parent, prefix=f".{out.name}.")
     _check_out(out, overwrite)  # before any work
+    from draftsmith.formats.load import is_dflash
+
+    tmp = temp_path(out)
+    write = _write_dflash if is_dflash(source) or fmt == "zlab" else _write_eagle3
+    try:
+        write(source, tmp, out, fmt, verifier, store, report, speculative_tokens, dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_tree(tmp)
+    crash_point("export-built")
+    swap_dirs(tmp, out)  # `out` holds the old export or the new one, whole, at every moment
+    crash_point("export-swapped")
+    shutil.rmtree(tmp, ignore_errors=True)  # now the old export, if there was one
+    return out
+
+
+def _write_eagle3(
+    source: str | Path,
+    tmp: Path,
+    out: Path,
+    fmt: str,
+    verifier: str | None,
+    store: str | Path | None,
+    report: str | Path | None,
+    speculative_tokens: int | None,
+    dtype: str,
+) -> None:
+    """An EAGLE-3 checkpoint or run into `tmp` in `fmt`, with its card (which names `out`, where it will live)."""
     ckpt = resolve_checkpoint(source)
     config = read_config(ckpt)
     state = load_weights(ckpt)
@@ -95,17 +125,60 @@ def export(
         cfg = sglang.export_config(config, fmt, dtype, provenance)
         weights = sglang.export_state(state)
 
-    tmp = temp_path(out)
     tmp.mkdir()
     save_weights(weights, tmp)
     write_json(tmp / CONFIG_FILE, cfg)
     (tmp / CARD_FILE).write_text(render_card(fmt, config, provenance, cfg, verifier, out.resolve()))
-    fsync_tree(tmp)
-    crash_point("export-built")
-    swap_dirs(tmp, out)  # `out` holds the old export or the new one, whole, at every moment
-    crash_point("export-swapped")
-    shutil.rmtree(tmp, ignore_errors=True)  # now the old export, if there was one
-    return out
+
+
+def _write_dflash(
+    source: str | Path,
+    tmp: Path,
+    out: Path,
+    fmt: str,
+    verifier: str | None,
+    store: str | Path | None,
+    report: str | Path | None,
+    speculative_tokens: int | None,
+    dtype: str,
+) -> None:
+    """A DFlash checkpoint or run into `tmp` in z-lab's layout (what SGLang, vLLM and z-lab's `dflash` read) or
+    speculators' DFlash layout (vLLM, the speculators library), with its card. A block drafts B-1 tokens, so
+    `speculative_tokens` has no say."""
+    from draftsmith.drafters.dflash import ENGINE_ONLY, DFlashModel
+    from draftsmith.drafters.dflash import FROZEN as FROZEN_DFLASH
+    from draftsmith.formats.load import is_dflash, read_dflash
+
+    if not is_dflash(source):
+        raise ConfigError(f"{source} is not a DFlash drafter", hint="--format zlab exports DFlash runs only")
+    if fmt not in ("zlab", "speculators"):
+        raise ConfigError(
+            f"a DFlash drafter exports as zlab or speculators, not {fmt!r}",
+            hint="use --format zlab (z-lab's layout: SGLang, vLLM) or --format speculators (vLLM)",
+        )
+    config, state, _, _ = read_dflash(source)
+    ckpt = resolve_checkpoint(source) if (Path(source) / "latest").is_file() else Path(source)
+    training = training_summary(ckpt)
+    verifier = verifier or verifier_name(config.target)
+    provenance = {
+        "format": fmt,
+        "exported_by": f"draftsmith {version('draftsmith')}",
+        "source_checkpoint": str(ckpt.resolve()),
+        "store": store_summary(Path(store)) if store else None,
+        "training": training,
+        "acceptance": acceptance_summary(Path(report)) if report else None,
+    }
+    model = DFlashModel(config.model_copy(update={"draft_vocab_size": None}))  # engines decode with the full head
+    model.load_state_dict({k: v for k, v in state.items() if k not in ENGINE_ONLY}, strict=False)
+    if fmt == "zlab":
+        zlab.export(model, tmp, dtype, provenance)
+    else:
+        tmp.mkdir(parents=True)
+        state = {k: v.to(DTYPES[dtype]) for k, v in model.state_dict().items() if k not in FROZEN_DFLASH}
+        save_weights(state, tmp)
+        raw = speculators.dflash_export_config(config, verifier, verifier_config(config.target), dtype, provenance)
+        write_json(tmp / CONFIG_FILE, raw)
+    (tmp / CARD_FILE).write_text(render_dflash_card(fmt, config, provenance, verifier, out.resolve()))
 
 
 EXPORT_FILES = {CONFIG_FILE, CARD_FILE, WEIGHTS_FILE}
@@ -150,6 +223,8 @@ def training_summary(ckpt: Path) -> dict[str, Any] | None:
         "sequences": int(state.get("step", 0)) * int(cfg.get("batch_size") or 0),
         "max_length": cfg.get("max_length"),
         "ttt_steps": cfg.get("ttt_steps"),
+        "algo": cfg.get("algo", "eagle3"),
+        "block_size": cfg.get("block_size") if cfg.get("algo") == "dflash" else None,
         "lr": cfg.get("lr"),
         "seed": cfg.get("seed"),
     }

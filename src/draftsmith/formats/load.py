@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.drafters import Drafter, builtin_drafter
+from draftsmith.drafters import Drafter, builtin_drafter, dflash
 from draftsmith.drafters.budget import DraftBudget, measured_budget
 from draftsmith.drafters.eagle3 import (
     FROZEN,
@@ -22,7 +22,7 @@ from draftsmith.drafters.eagle3 import (
     resolve_checkpoint,
 )
 from draftsmith.errors import DraftsmithError
-from draftsmith.formats import sglang, speculators
+from draftsmith.formats import sglang, speculators, zlab
 from draftsmith.formats.common import (
     CONFIG_FILE,
     EMBED_KEY,
@@ -41,6 +41,8 @@ def detect_format(path: str | Path) -> str:
     if (path / "latest").is_file():
         return "draftsmith"
     raw = read_json(path / CONFIG_FILE)
+    if zlab.is_zlab(raw):
+        return "zlab"
     if "speculators_model_type" in raw:
         return "speculators"
     if "aux_layer_ids" in raw and "hidden_size" in raw:
@@ -106,10 +108,50 @@ def build_model(converted: Converted, target: Target) -> Eagle3Model:
     return model.to(param.device, param.dtype)
 
 
+def is_dflash(path: str | Path) -> bool:
+    """A DFlash drafter directory: a draftsmith DFlash checkpoint or run, z-lab's layout or speculators' DFlash."""
+    path = Path(path)
+    ckpt = resolve_checkpoint(path) if (path / "latest").is_file() else path
+    if not (ckpt / CONFIG_FILE).is_file():
+        return False
+    raw = read_json(ckpt / CONFIG_FILE)
+    return dflash.is_config(raw) or zlab.is_zlab(raw) or speculators.is_dflash(raw)
+
+
+def read_dflash(
+    path: str | Path, target: Target | None = None
+) -> tuple[dflash.DFlashConfig, dict[str, torch.Tensor], str, list[str]]:
+    """A DFlash directory as (our config, state dict under our names, format, conversion notes), checked against
+    `target` when given: layer ids within its depth, mask token inside its vocabulary, hidden sizes."""
+    path = Path(path)
+    ckpt = resolve_checkpoint(path) if (path / "latest").is_file() else path
+    raw = read_json(ckpt / CONFIG_FILE)
+    if dflash.is_config(raw):
+        config, state, fmt, notes = dflash.read_config(ckpt), load_weights(ckpt), "draftsmith", []
+    elif speculators.is_dflash(raw):
+        config, state, notes = speculators.read_dflash(raw, load_weights(ckpt), str(ckpt))
+        fmt = "speculators"
+    else:
+        config, state, notes = zlab.read(raw, load_weights(ckpt), str(ckpt))
+        fmt = "zlab"
+    if target is not None:
+        dflash.check_compatible(config, target, where=f"{fmt} DFlash drafter {path}:")
+    return config, state, fmt, notes
+
+
+def load_dflash(path: str | Path, target: Target, name: str | None = None) -> dflash.DFlashDrafter:
+    config, state, _, _ = read_dflash(path, target)
+    with torch.no_grad():
+        model = dflash.build_model(config, state, target)
+    return dflash.DFlashDrafter(model, name or f"dflash:{path}")
+
+
 def load_drafter(
     path: str | Path, target: Target, name: str | None = None, budget: DraftBudget | None = None
-) -> Eagle3Drafter:
+) -> Eagle3Drafter | dflash.DFlashDrafter:
     """`--drafter DIR`: our runs and checkpoints, and foreign layouts converted on load, on the target's device."""
+    if is_dflash(path):
+        return load_dflash(path, target, name)
     converted = read_drafter(path, target.num_layers, target)
     with torch.no_grad():
         model = build_model(converted, target)
@@ -118,7 +160,9 @@ def load_drafter(
 
 def trained_depth(path: str | Path) -> int | None:
     """How many draft steps a drafter directory was trained to make, where recorded: the training-time test depth
-    of a draftsmith run, or the `speculative_tokens` an export declares."""
+    of a draftsmith run, or the `speculative_tokens` an export declares; a DFlash block's B-1 tokens."""
+    if is_dflash(path):
+        return read_dflash(path)[0].draft_tokens
     if detect_format(path) == "draftsmith":
         state_file = resolve_checkpoint(path) / "trainer_state.pt"
         if not state_file.is_file():
@@ -131,13 +175,15 @@ def trained_depth(path: str | Path) -> int | None:
 
 
 def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_length: str = "adaptive") -> Drafter:
-    """A `--drafter` string: an EAGLE-3 directory (a draftsmith checkpoint or training run, or a speculators / SGLang
-    / EAGLE export, converted on load) or a built-in drafter (`builtin_drafter`). EAGLE-3 chains are cut where the
-    next token stops paying for itself (`draft_length="adaptive"`, see drafters/budget.py) or always run to the
-    full length ("fixed")."""
+    """A `--drafter` string: a drafter directory (an EAGLE-3 or DFlash checkpoint or training run, or a speculators /
+    SGLang / EAGLE / z-lab export, converted on load; `dflash:DIR` says which) or a built-in drafter
+    (`builtin_drafter`). EAGLE-3 chains are cut where the next token stops paying for itself
+    (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed")."""
+    if spec.startswith("dflash:"):
+        return load_dflash(spec.removeprefix("dflash:"), target)
     if not Path(spec).is_dir():
         return builtin_drafter(spec, target, dtype=dtype)
     drafter = load_drafter(spec, target, budget=DraftBudget.fixed())
-    if draft_length == "adaptive":
+    if draft_length == "adaptive" and isinstance(drafter, Eagle3Drafter):
         drafter.budget = measured_budget(target, drafter.step_probe())
     return drafter

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import transformers
 
+from draftsmith.drafters.dflash import FROZEN as DFLASH_FROZEN
+from draftsmith.drafters.dflash import DFlashConfig, check_block_size
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.errors import DraftsmithError
 from draftsmith.formats.common import (
@@ -32,6 +34,7 @@ from draftsmith.formats.common import (
     build_config,
     default_ids,
     identity_vocab,
+    verifier_config,
 )
 
 SPECULATORS_VERSION = "0.9.0"
@@ -218,3 +221,122 @@ def sliding_window(tl: dict[str, Any], layer_type: str) -> int | None:
     if not layer_types or layer_types[0] != "sliding_attention" or window is None:
         return None
     return int(window)
+
+
+# --- DFlash -----------------------------------------------------------------------------------------------------------
+#
+# speculators 0.9.0's DFlash layout (`DFlashSpeculatorConfig`, what its `DFlashConverter` writes from z-lab's): the
+# body's weights under our (= z-lab's) names; `aux_hidden_state_layer_ids` in vLLM's convention, which is ours (z-lab's
+# + 1); a Qwen3 `transformer_layer_config` for the draft layers. With the full vocabulary the embeddings and head are
+# the verifier's and not saved. A reduced draft vocabulary (its own lm_head, d2t/t2d) is not supported here.
+
+DFLASH_MODEL_TYPE = "dflash"
+
+
+def is_dflash(raw: dict[str, Any]) -> bool:
+    return raw.get("speculators_model_type") == DFLASH_MODEL_TYPE
+
+
+def dflash_export_config(
+    config: DFlashConfig, verifier: str, target_config: dict[str, Any], dtype: str, provenance: dict[str, Any]
+) -> dict[str, Any]:
+    layer = _common_layer_fields(config, target_config, bos=None, eos=None) | {
+        "layer_types": ["full_attention"] * config.num_layers,
+        "max_window_layers": 28,
+        "model_type": "qwen3",
+        "num_hidden_layers": config.num_layers,
+        "sliding_window": None,
+        "use_sliding_window": False,
+    }
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+        "block_size": config.block_size,
+        "draft_vocab_size": config.vocab_size,
+        "dtype": dtype,
+        "mask_token_id": config.mask_token_id,
+        "sample_from_anchor": False,
+        "sliding_window_non_causal": False,
+        "speculators_config": {
+            "algorithm": DFLASH_MODEL_TYPE,
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "accept_tolerance": 0.0,
+                    "proposal_type": "greedy",
+                    "speculative_tokens": config.draft_tokens,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {
+                "architectures": list(target_config.get("architectures") or []),
+                "name_or_path": verifier or None,
+            },
+        },
+        "speculators_model_type": DFLASH_MODEL_TYPE,
+        "speculators_version": SPECULATORS_VERSION,
+        "target_hidden_size": None,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": layer,
+        "transformers_version": transformers.__version__,
+        PROVENANCE_KEY: provenance | {"target": config.target, "target_fingerprint": config.target_fingerprint,
+                                      "target_num_layers": config.target_num_layers},
+    }  # fmt: skip
+
+
+def read_dflash(
+    raw: dict[str, Any], weights: dict[str, torch.Tensor], where: str
+) -> tuple[DFlashConfig, dict[str, torch.Tensor], list[str]]:
+    """A speculators DFlash directory as our config, state dict and notes."""
+    tl = raw.get("transformer_layer_config") or {}
+    vocab = tl.get("vocab_size")
+    unsupported = {
+        "a reduced draft vocabulary": raw.get("draft_vocab_size") not in (None, vocab) or "lm_head.weight" in weights,
+        "sample_from_anchor": bool(raw.get("sample_from_anchor")),
+        "sliding-window layers": "sliding_attention" in (tl.get("layer_types") or []),
+        "a target hidden size of its own": raw.get("target_hidden_size") not in (None, tl.get("hidden_size")),
+        "attention biases": bool(tl.get("attention_bias")),
+    }
+    for what, present in unsupported.items():
+        if present:
+            raise DraftsmithError(
+                f"{where}: a speculators DFlash drafter with {what} is not supported",
+                hint="draftsmith runs the plain full-vocabulary DFlash drafter",
+            )
+    ids, mask = raw.get("aux_hidden_state_layer_ids"), raw.get("mask_token_id")
+    if not ids or mask is None or not tl:
+        raise DraftsmithError(
+            f"{where}: a speculators DFlash config needs aux_hidden_state_layer_ids, mask_token_id and "
+            "transformer_layer_config",
+            hint="the config.json is incomplete",
+        )
+    provenance = raw.get(PROVENANCE_KEY) or {}
+    rope = tl.get("rope_parameters") or {}
+    heads = tl["num_attention_heads"]
+    config = DFlashConfig(
+        hidden_size=tl["hidden_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=tl.get("num_key_value_heads") or heads,
+        head_dim=tl.get("head_dim") or tl["hidden_size"] // heads,
+        intermediate_size=tl["intermediate_size"],
+        rms_norm_eps=tl.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", tl.get("rope_theta", 10000.0)),
+        max_position_embeddings=tl.get("max_position_embeddings", 2048),
+        vocab_size=vocab,
+        num_layers=tl.get("num_hidden_layers", 1),
+        target_num_layers=provenance.get("target_num_layers") or _verifier_depth(raw) or max(ids) + 1,
+        aux_layer_ids=tuple(ids),
+        block_size=check_block_size(int(raw.get("block_size", 8))),
+        mask_token_id=int(mask),
+        target=provenance.get("target", ""),
+        target_fingerprint=provenance.get("target_fingerprint", ""),
+    )
+    state = {k: v for k, v in weights.items() if k not in DFLASH_FROZEN and k not in ("d2t", "t2d")}
+    note = "speculators aux_hidden_state_layer_ids are vLLM's (inputs of layers): the same as draftsmith's"
+    return config, state, [note]
+
+
+def _verifier_depth(raw: dict[str, Any]) -> int | None:
+    """The verifier's layer count where its config can be read without a download."""
+    verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return verifier_config(verifier).get("num_hidden_layers") if verifier else None

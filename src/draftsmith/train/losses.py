@@ -1,4 +1,6 @@
-"""The training-time test (TTT): unroll the drafter K steps on its own outputs, as it will run at inference.
+"""Training objectives: EAGLE-3's training-time test (TTT) and DFlash's block loss (at the end of this file).
+
+The training-time test (TTT): unroll the drafter K steps on its own outputs, as it will run at inference.
 
 For a sequence x with target features f, step 0 at position t reads (embed(x[t+1]), fc(f[t])) and step k >= 1
 reads (embed(x[t+1+k]), the step k-1 output hidden at t), at RoPE position t+k. Its output predicts x[t+2+k] and
@@ -15,9 +17,12 @@ them together. This costs L*L + L*k scores per step, against L*(k+1)*L for a blo
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from draftsmith.drafters.dflash import DFlashModel
 from draftsmith.drafters.eagle3 import Eagle3Model, band_mask, causal_attention
 from draftsmith.train.metrics import StepStats
 
@@ -140,3 +145,140 @@ def ttt_loss(
         stats.correct_draft[k] += (guess == p[target_row].argmax(-1)).sum()  # speculators' metric
         stats.count[k] += len(b)
     return total, stats
+
+
+# --- DFlash: the block loss ------------------------------------------------------------------------------------------
+#
+# An anchor a is a position whose token x[a] is inside the loss mask (an assistant token the target wrote): the
+# block there is [x[a], mask x (B-1)] at positions a..a+B-1, and block position k >= 1 predicts x[a+k]. The block sees
+# the context keys of positions < a and its own block, never another block: exactly what the drafter sees at
+# inference when the target has just confirmed x[a] (`DFlashDrafter`, a test proves the two equal). Position k's
+# loss is weighted exp(-(k-1)/gamma), i.e. step_weight**(k-1) with step_weight = exp(-1/gamma), so the StepStats
+# "step" k-1 is block position k.
+
+
+def dflash_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Up to `count` anchors (sorted) for one sequence: positions a >= 1 inside the loss mask with a successor."""
+    mask = loss_mask.bool().clone()
+    mask[0] = False  # a block needs some context before it
+    mask[-1] = False  # and at least one token after its anchor
+    candidates = mask.nonzero()[:, 0]
+    order = torch.randperm(len(candidates), generator=generator, device="cpu")[:count].to(candidates.device)
+    return candidates[order].sort().values
+
+
+def dflash_block_mask(anchors: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """(m*B, length + m*B) bool: block query of anchor a sees context keys s < a and the keys of its own block."""
+    m = len(anchors)
+    query_anchor = anchors.repeat_interleave(block_size)[:, None]
+    context = torch.arange(length, device=anchors.device)[None, :] < query_anchor
+    block_of = torch.arange(m, device=anchors.device).repeat_interleave(block_size)
+    own = block_of[:, None] == block_of[None, :]
+    return torch.cat([context, own], dim=1)
+
+
+def dflash_forward(
+    model: DFlashModel, input_ids: torch.Tensor, aux_hidden: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:
+    """Normed block hidden states (m, B, H) of one sequence (`input_ids` (L,), features (L, n*H)) at `anchors`."""
+    block_size, length = model.config.block_size, input_ids.shape[0]
+    offsets = torch.arange(block_size, device=input_ids.device)
+    tokens = torch.full((len(anchors), block_size), model.config.mask_token_id, device=input_ids.device)
+    tokens[:, 0] = input_ids[anchors]
+    positions = (anchors[:, None] + offsets[None, :]).reshape(-1)
+    context = model.context_kv(aux_hidden[None], torch.arange(length, device=input_ids.device))
+    mask = dflash_block_mask(anchors, block_size, length)
+    hidden = model.block_hidden(tokens.view(1, -1), positions, context, mask)
+    return hidden.view(len(anchors), block_size, -1)
+
+
+def dflash_gamma(block_size: int) -> float:
+    """DFlash's decay: 7 for blocks of 16, 4 for blocks of 8 (the paper's settings), scaled for other sizes."""
+    return {16: 7.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2))
+
+
+class DFlashObjective:
+    """The block loss, with the trainer's objective interface (as `TTTObjective`)."""
+
+    def __init__(self, block_size: int, gamma: float | None, anchors: int, kl: bool, seed: int = 0) -> None:
+        self.block_size, self.anchors, self.kl, self.seed = block_size, anchors, kl, seed
+        self.steps = block_size - 1
+        self.step_weight = math.exp(-1.0 / (gamma or dflash_gamma(block_size)))
+
+    def prepare(self, batch: dict[str, torch.Tensor], draw: int) -> dict[str, torch.Tensor]:
+        """Draw the anchors of every sequence (padded with -1), seeded by (seed, `draw`, the sequence's dataset
+        index): the training step's number as `draw`, so a resumed run, or one on any number of processes, draws
+        the same blocks; a fixed `draw` for validation, so checkpoints compare on the same blocks."""
+        generators = [
+            torch.Generator().manual_seed(((self.seed * 1_000_003 + draw) * 1_000_033 + int(i)) % 2**63)
+            for i in batch["index"]
+        ]
+        drawn = [dflash_anchors(mask, self.anchors, g) for mask, g in zip(batch["loss_mask"], generators, strict=True)]
+        anchors = torch.full((len(drawn), max(1, max(map(len, drawn)))), -1, dtype=torch.long)
+        for i, a in enumerate(drawn):
+            anchors[i, : len(a)] = a
+        return batch | {"anchors": anchors.to(batch["loss_mask"].device)}
+
+    def labels(self, batch: dict[str, torch.Tensor], i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For sequence i: anchors, the (m, B-1) positions a+k the block predicts, and whether each counts."""
+        anchors = batch["anchors"][i]
+        anchors = anchors[anchors >= 0]
+        length = batch["loss_mask"].shape[1]
+        where = anchors[:, None] + torch.arange(1, self.block_size, device=anchors.device)[None, :]
+        inside = where < length
+        valid = inside & batch["loss_mask"][i][where.clamp_max(length - 1)].bool()
+        return anchors, where.clamp_max(length - 1), valid
+
+    def valid(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(steps,) positions counted per block position over the micro-batch."""
+        total = torch.zeros(self.steps, device=batch["loss_mask"].device)
+        for i in range(len(batch["loss_mask"])):
+            total += self.labels(batch, i)[2].sum(0)
+        return total
+
+    def __call__(
+        self, model: DFlashModel, batch: dict[str, torch.Tensor], target_head: torch.Tensor, denominators: torch.Tensor
+    ) -> tuple[torch.Tensor, StepStats]:
+        """sum_k w^(k-1) * (cross entropy of x[a+k], or with `kl` KL(p || q) to the target's distribution at a+k-1)
+        over the counted positions / denominators[k-1]."""
+        total = target_head.new_zeros(())
+        stats = StepStats.zeros(self.steps, target_head.device)
+        weights = self.step_weight ** torch.arange(self.steps, device=target_head.device)
+        for i in range(len(batch["input_ids"])):
+            anchors, where, valid = self.labels(batch, i)
+            if not valid.any():
+                continue
+            hidden = dflash_forward(model, batch["input_ids"][i], batch["aux_hidden"][i], anchors)
+            rows, cols = valid.nonzero(as_tuple=True)
+            logits = model.lm_head(hidden[rows, cols + 1]).float()
+            at = where[rows, cols]
+            if self.kl:
+                p, neg_entropy = target_distribution(batch["last_hidden"][i][at - 1], target_head)
+                loss = F.cross_entropy(logits, p, reduction="none") + neg_entropy
+            else:
+                loss = F.cross_entropy(logits, batch["input_ids"][i][at], reduction="none")
+            total = total + (weights[cols] * loss / denominators[cols].clamp_min(1)).sum()
+            guess = logits.argmax(-1).detach()
+            stats.loss_sum.index_add_(0, cols, loss.detach().double())
+            stats.correct.index_add_(0, cols, (guess == batch["target_top"][i][at - 1]).double())
+            stats.correct_draft.index_add_(0, cols, (guess == batch["input_ids"][i][at]).double())
+            stats.count.index_add_(0, cols, torch.ones_like(loss, dtype=torch.float64))
+        return total, stats
+
+
+class TTTObjective:
+    """EAGLE-3's training-time test behind the trainer's objective interface."""
+
+    def __init__(self, steps: int, step_weight: float) -> None:
+        self.steps, self.step_weight = steps, step_weight
+
+    def prepare(self, batch: dict[str, torch.Tensor], draw: int) -> dict[str, torch.Tensor]:
+        return batch
+
+    def valid(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return valid_positions(batch["loss_mask"], self.steps).sum((1, 2))
+
+    def __call__(
+        self, model: Eagle3Model, batch: dict[str, torch.Tensor], target_head: torch.Tensor, denominators: torch.Tensor
+    ) -> tuple[torch.Tensor, StepStats]:
+        return ttt_loss(model, batch, target_head, self.steps, self.step_weight, denominators)

@@ -1,4 +1,5 @@
-"""The EAGLE-3 training loop: TTT loss, AdamW with warm-up + cosine, clipping, checkpoints, exact resume, DDP/FSDP.
+"""The training loop for EAGLE-3 (TTT loss) and DFlash (block loss): AdamW with warm-up + cosine, clipping,
+checkpoints, exact resume, DDP/FSDP (FSDP for EAGLE-3 only).
 
 Determinism is by construction, so a resumed run retraces an uninterrupted one: step s always trains on the same
 global batch (an endless stream of seeded per-epoch permutations, so the data position is the step number), the
@@ -33,18 +34,12 @@ from safetensors.torch import load_file
 from torch.utils.data import Dataset
 
 from draftsmith.config import StageConfig
-from draftsmith.drafters.eagle3 import (
-    CONFIG_FILE,
-    FROZEN,
-    WEIGHTS_FILE,
-    Eagle3Config,
-    Eagle3Model,
-    read_config,
-    save_checkpoint,
-)
+from draftsmith.drafters import dflash, eagle3
+from draftsmith.drafters.dflash import DFlashConfig, DFlashModel
+from draftsmith.drafters.eagle3 import CONFIG_FILE, WEIGHTS_FILE, Eagle3Config, Eagle3Model
 from draftsmith.errors import ConfigError, DataError
 from draftsmith.progress import progress_bar
-from draftsmith.train.losses import target_top, ttt_loss, valid_positions
+from draftsmith.train.losses import DFlashObjective, TTTObjective, target_top
 from draftsmith.train.metrics import MetricsWriter, StepStats, plot_curves, read_metrics
 from draftsmith.train.optim import build_optimizer
 from draftsmith.util import crash_point, fsync_tree, replace_durable, swap_dirs, sweep_temp, temp_path, write_atomic
@@ -55,6 +50,7 @@ RESUMABLE = {"max_steps", "epochs", "checkpoint_every", "keep_checkpoints", "eva
 
 
 class TrainConfig(StageConfig):
+    algo: Literal["eagle3", "dflash"] = "eagle3"
     max_steps: int | None = Field(default=None, ge=1)  # overrides epochs
     epochs: float = Field(default=1.0, gt=0)
     batch_size: int = Field(default=8, ge=1)  # sequences per optimiser step, over all ranks
@@ -86,6 +82,20 @@ class TrainConfig(StageConfig):
     freeze_lm_head: bool = True  # keep the target's head rows (as speculators does): fewer weights to overfit
     all_positions: bool = False  # train on every position (prompt tokens too): the label is the target's anyway
     feature_noise: float = Field(default=0.0, ge=0)  # N(0, (noise * rms(f))^2) added to the target features
+    # DFlash (algo dflash): the drafter reads every layer of the store; see drafters/dflash.py and train/losses.py.
+    block_size: int = Field(default=16, ge=2)
+    draft_layers: int = Field(default=1, ge=1)  # the drafter's decoder layers (z-lab ships 5 at GPU scale)
+    gamma: float | None = Field(default=None, gt=0)  # loss decay exp(-(k-1)/gamma); None: 7 for B=16, 4 for B=8
+    anchors: int = Field(default=32, ge=1)  # blocks per sequence per step
+    kl: bool = False  # KL to the target's distribution instead of cross entropy on the target-written token
+    mask_token_id: int | None = Field(default=None, ge=0)  # None: the tokenizer's mask, else a spare special token
+    draft_vocab: bool = False  # draftsmith's engine scores only the vocab stage's tokens (training: the full head)
+
+    def objective(self) -> TTTObjective | DFlashObjective:
+        """What one step computes: EAGLE-3's training-time test, or DFlash's block loss."""
+        if self.algo == "dflash":
+            return DFlashObjective(self.block_size, self.gamma, self.anchors, self.kl, self.seed)
+        return TTTObjective(self.ttt_steps, self.step_weight)
 
 
 @dataclass
@@ -101,9 +111,9 @@ def train(
     dataset: Dataset,
     target_head: torch.Tensor,
     embed_weight: torch.Tensor,
-    d2t: torch.Tensor,
-    t2d: torch.Tensor,
-    model_config: Eagle3Config,
+    d2t: torch.Tensor | None,
+    t2d: torch.Tensor | None,
+    model_config: Eagle3Config | DFlashConfig,
     out_dir: str | Path,
     resume: bool = True,
     final_norm: torch.Tensor | None = None,
@@ -111,6 +121,8 @@ def train(
     """Train a drafter on `dataset` (dicts of input_ids, loss_mask, aux_hidden, last_hidden) into `out_dir`.
 
     `target_head` (V, H) is the target's frozen output head: with `last_hidden` it gives the target distribution.
+    A `DFlashConfig` trains a DFlash drafter with the target's full head; with `draft_vocab_size` the checkpoint also
+    keeps d2t's tokens as the draft vocabulary draftsmith's engine scores (t2d is unused).
     With `resume`, training continues from the newest whole checkpoint in `out_dir` when there is one; otherwise
     it starts over and deletes the directory's earlier checkpoints (its own `checkpoints/step-*` only).
     """
@@ -125,6 +137,13 @@ def train(
     try:
         check_dataset(dataset, model_config)
         seed_everything(cfg.seed)
+        if isinstance(model_config, DFlashConfig):
+            if cfg.fsdp and world > 1:
+                raise ConfigError("--fsdp does not train DFlash drafters yet", hint="use DDP (drop --fsdp)")
+            model = DFlashModel(model_config).attach(embed_weight, target_head)
+            if model_config.draft_vocab_size is not None and d2t is not None:
+                model.draft_ids.copy_(torch.arange(len(d2t)) + d2t.long().cpu())
+            return Trainer(cfg, dataset, model, target_head, Path(out_dir), device).run(resume)
         model = Eagle3Model.from_weights(model_config, embed_weight, target_head, d2t, t2d)
         model.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
         if cfg.init == "logit_lens":
@@ -142,13 +161,15 @@ class Trainer:
         self,
         cfg: TrainConfig,
         dataset: Dataset,
-        model: Eagle3Model,
+        model: Eagle3Model | DFlashModel,
         target_head: torch.Tensor,
         out_dir: Path,
         device: torch.device,
     ) -> None:
         """`model` is freshly initialised (seeded); `target_head` is the frozen target head for the target logits."""
         self.cfg, self.dataset, self.out_dir, self.device = cfg, dataset, out_dir, device
+        self.objective = cfg.objective()
+        self.checkpoints = dflash if isinstance(model, DFlashModel) else eagle3  # save/read_config/FROZEN
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         if cfg.batch_size % (cfg.micro_batch_size * self.world):
@@ -216,14 +237,14 @@ class Trainer:
                 lr = self.scheduler.get_last_lr()[0]
                 self.scheduler.step()
                 self.step += 1
-                train_metrics = stats.summary(cfg.step_weight)
+                train_metrics = stats.summary(self.objective.step_weight)
                 train_metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / seconds)
                 if writer:
                     writer.log(self.step, "train", train_metrics)
                 done = self.step == self.total_steps
                 best = False
                 if self.val_idx and (self.step % cfg.eval_every == 0 or done):
-                    val_metrics = self.validate().summary(cfg.step_weight)
+                    val_metrics = self.validate().summary(self.objective.step_weight)
                     if writer:
                         writer.log(self.step, "val", val_metrics)
                     best = val_metrics["expected_length"] > self.best_length
@@ -270,6 +291,7 @@ class Trainer:
         size = self.cfg.micro_batch_size
         return [
             collate([self._sample(i, train) for i in mine[j : j + size]], self.cfg.max_length, self.device)
+            | {"index": torch.tensor(mine[j : j + size])}  # which dataset sequences: DFlash seeds its anchors by them
             for j in range(0, len(mine), size)
         ]
 
@@ -280,13 +302,14 @@ class Trainer:
         """One optimiser step over the global batch; returns its stats, token count and gradient norm."""
         cfg = self.cfg
         batches = self.micro_batches(global_batch(self.train_idx, self.step, cfg.batch_size, cfg.seed))
-        counts = torch.zeros(1 + cfg.ttt_steps, device=self.device)  # tokens, then valid positions per TTT step
+        batches = [self.objective.prepare(batch, self.step) for batch in batches]
+        counts = torch.zeros(1 + self.objective.steps, device=self.device)  # tokens, then valid positions per step
         for batch in batches:
             counts[0] += batch["loss_mask"].numel()
-            counts[1:] += valid_positions(batch["loss_mask"], cfg.ttt_steps).sum((1, 2))
+            counts[1:] += self.objective.valid(batch)
         if self.world > 1:
             dist.all_reduce(counts)
-        stats = StepStats.zeros(cfg.ttt_steps, self.device)
+        stats = StepStats.zeros(self.objective.steps, self.device)
         for i, batch in enumerate(batches):
             if self.sharded is not None:  # FSDP: reduce-scatter the summed gradients once, after the last one
                 self.sharded.set_requires_gradient_sync(i == len(batches) - 1)
@@ -305,10 +328,9 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> StepStats:
-        cfg = self.cfg
-        stats = StepStats.zeros(cfg.ttt_steps, self.device)
-        ones = torch.ones(cfg.ttt_steps, device=self.device)
-        batches: list = self.micro_batches(self.val_idx, train=False)
+        stats = StepStats.zeros(self.objective.steps, self.device)
+        ones = torch.ones(self.objective.steps, device=self.device)
+        batches: list = [self.objective.prepare(b, -1) for b in self.micro_batches(self.val_idx, train=False)]
         if self.sharded is not None:  # FSDP: every rank runs as many forwards as the busiest one (collectives)
             most = torch.tensor(len(batches), device=self.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
@@ -324,7 +346,7 @@ class Trainer:
     def loss(self, batch: dict[str, torch.Tensor], denominators: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
         if self.sharded is not None:
             return self.sharded(batch, denominators)
-        return ttt_loss(self.model, batch, self.head, self.cfg.ttt_steps, self.cfg.step_weight, denominators)
+        return self.objective(self.model, batch, self.head, denominators)
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.out_dir / "checkpoints" / f"step-{step:06d}"
@@ -336,14 +358,14 @@ class Trainer:
         if self.sharded is not None:  # gather full tensors on every rank (collectives); rank 0 writes them
             from draftsmith.train import distributed
 
-            model = Eagle3Model(self.model.config)
+            model = Eagle3Model(self.model.config)  # FSDP trains EAGLE-3 only
             model.load_state_dict(distributed.full_model_state(self.model))
             optimizer_state = distributed.full_optimizer_state(self.optimizer)
         if self.rank == 0:
             final = self.checkpoint_dir(self.step)
             tmp = temp_path(final)
             shutil.rmtree(tmp, ignore_errors=True)
-            save_checkpoint(model, tmp)
+            self.checkpoints.save_checkpoint(model, tmp)
             state = {
                 "step": self.step,
                 "config": self.cfg.model_dump(mode="json"),
@@ -377,7 +399,7 @@ class Trainer:
         changed = {
             k: (v, current.get(k)) for k, v in state["config"].items() if k not in RESUMABLE and v != current.get(k)
         }
-        saved_model, model = read_config(path).model_dump(), self.model.config.model_dump()
+        saved_model, model = self.checkpoints.read_config(path).model_dump(), self.model.config.model_dump()
         changed |= {f"drafter {k}": (v, model.get(k)) for k, v in saved_model.items() if v != model.get(k)}
         if changed:
             field, (old, new) = next(iter(changed.items()))
@@ -386,13 +408,14 @@ class Trainer:
                 hint="train into a new output directory, or start over without resuming",
             )
         weights = load_file(path / WEIGHTS_FILE, device=str(self.device))
+        frozen = self.checkpoints.FROZEN
         if self.sharded is not None:  # scatter the full tensors into this run's shards
             from draftsmith.train import distributed
 
-            distributed.load_model_state(self.model, weights | {k: self.model.state_dict()[k] for k in FROZEN})
+            distributed.load_model_state(self.model, weights | {k: self.model.state_dict()[k] for k in frozen})
             distributed.load_optimizer_state(self.optimizer, state["optimizer"])
         else:
-            self.model.load_state_dict(weights | {k: self.model.state_dict()[k] for k in FROZEN})
+            self.model.load_state_dict(weights | {k: self.model.state_dict()[k] for k in frozen})
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
@@ -473,14 +496,14 @@ def collate(samples: list[dict[str, torch.Tensor]], max_length: int, device: tor
     return {key: value.to(device) for key, value in out.items()}
 
 
-def check_dataset(dataset: Dataset, config: Eagle3Config) -> None:
+def check_dataset(dataset: Dataset, config: Eagle3Config | DFlashConfig) -> None:
     """Catch a store made for another target or layer count before any training starts."""
     if len(dataset) == 0:
         raise DataError("the training dataset is empty", hint="run `draftsmith extract` on some data first")
     sample = dataset[0]
     h = config.hidden_size
     widths = [
-        ("aux_hidden", sample["aux_hidden"].shape[-1], 3 * h),
+        ("aux_hidden", sample["aux_hidden"].shape[-1], len(config.aux_layer_ids) * h),
         ("last_hidden", sample["last_hidden"].shape[-1], h),
     ]
     for name, found, expected in widths:
@@ -488,7 +511,7 @@ def check_dataset(dataset: Dataset, config: Eagle3Config) -> None:
             raise DataError(
                 f"dataset {name} has width {found}, but the drafter for {config.target or 'this target'} expects "
                 f"{expected}",
-                hint="extract the hidden states with the same target and 3 aux layers",
+                hint="extract the hidden states with the same target and the drafter's aux layers",
             )
 
 

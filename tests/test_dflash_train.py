@@ -1,0 +1,137 @@
+"""DFlash training: the block loss sees exactly what the drafter sees at inference; training learns; resume is exact."""
+
+import pytest
+import torch
+
+from draftsmith.drafters.dflash import DFlashConfig, DFlashDrafter
+from draftsmith.errors import ConfigError
+from draftsmith.formats.load import load_drafter
+from draftsmith.train import TrainConfig, train
+from draftsmith.train import trainer as trainer_module
+from draftsmith.train.losses import dflash_anchors, dflash_forward
+from draftsmith.train.metrics import read_metrics
+from tests.conftest import tiny_target
+from tests.test_dflash import make_model
+from tests.test_train import LAYERS, curve, extract
+
+
+def setup(count: int = 6, block_size: int = 4, seed: int = 0):
+    target = tiny_target(seed)
+    config = DFlashConfig.from_target(target, 2, LAYERS, block_size, fingerprint="test")
+    weights = (target.model.lm_head.weight.detach(), target.model.get_input_embeddings().weight.detach(), None, None)
+    return target, extract(target, count, seed), weights, config
+
+
+def run(cfg: TrainConfig, data, weights, config, out):
+    return train(cfg, data, *weights, config, out)
+
+
+def test_block_training_forward_equals_inference():
+    """Many blocks at once, under the training mask, give each block the logits the drafter computes for it alone
+    after the target confirmed the tokens up to its anchor: no block sees another, or anything after its anchor."""
+    target = tiny_target(1)
+    model = make_model(target, block_size=5, ids=LAYERS).eval()
+    sample = extract(target, 1, seed=3)[0]
+    ids = sample["input_ids"].long()
+    anchors = dflash_anchors(torch.ones(len(ids)), 6, torch.Generator().manual_seed(0))
+    assert len(anchors) == 6 and anchors.min() >= 1 and anchors.max() < len(ids) - 1
+    with torch.no_grad():
+        hidden = dflash_forward(model, ids, sample["aux_hidden"], anchors)
+        trained = model.lm_head(hidden[:, 1:])
+    drafter = DFlashDrafter(model)
+    for i, a in enumerate(anchors.tolist()):
+        drafter.begin(ids[:a], sample["aux_hidden"][:a])
+        torch.testing.assert_close(trained[i], drafter.block_logits(ids[: a + 1], 4), atol=1e-5, rtol=1e-5)
+
+
+def test_anchors_stay_inside_the_loss_mask():
+    mask = torch.zeros(30, dtype=torch.bool)
+    mask[10:20] = True
+    anchors = dflash_anchors(mask, 100)
+    assert anchors.tolist() == list(range(10, 20))
+
+
+def test_loss_decreases_and_weights_decay(tmp_path):
+    _, data, weights, config = setup(count=4)
+    cfg = TrainConfig(algo="dflash", block_size=4, max_steps=40, batch_size=2, lr=1e-2, warmup_steps=2, grad_clip=1.0,
+                      val_fraction=0, anchors=8)  # fmt: skip
+    result = run(cfg, data, weights, config, tmp_path)
+    log = [r for r in read_metrics(tmp_path) if r["split"] == "train"]
+    assert log[-1]["loss"] < 0.5 * log[0]["loss"] and {"loss_2", "acc_2"} <= log[0].keys()
+    weight = cfg.objective().step_weight  # exp(-1/gamma): gamma 4 for blocks of 8 (and scaled for 4)
+    assert log[0]["loss"] == pytest.approx(sum(weight**k * log[0][f"loss_{k}"] for k in range(3)), rel=1e-5)
+    drafter = load_drafter(tmp_path, tiny_target(0))
+    assert isinstance(drafter, DFlashDrafter) and drafter.block_size == 4 and result.steps == 40
+
+
+def test_gamma_defaults():
+    assert TrainConfig(algo="dflash", block_size=16).objective().step_weight == pytest.approx(torch.e ** (-1 / 7))
+    assert TrainConfig(algo="dflash", block_size=8).objective().step_weight == pytest.approx(torch.e ** (-1 / 4))
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_resume_retraces_an_uninterrupted_run(tmp_path, monkeypatch, kl):
+    _, data, weights, config = setup(count=8)
+    cfg = TrainConfig(algo="dflash", block_size=4, max_steps=6, batch_size=2, lr=3e-3, warmup_steps=2,
+                      checkpoint_every=2, eval_every=2, anchors=4, kl=kl)  # fmt: skip
+    run(cfg, data, weights, config, tmp_path / "whole")
+    real_step, calls = trainer_module.Trainer.train_step, []
+
+    def crashing_step(self):
+        calls.append(self.step)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", crashing_step)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, data, weights, config, tmp_path / "resumed")
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", real_step)
+    run(cfg, data, weights, config, tmp_path / "resumed")
+    assert curve(tmp_path / "resumed") == curve(tmp_path / "whole")
+    whole = load_drafter(tmp_path / "whole", tiny_target(0)).model.state_dict()
+    resumed = load_drafter(tmp_path / "resumed", tiny_target(0)).model.state_dict()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_resume_refuses_another_block_size(tmp_path):
+    _, data, weights, config = setup(count=4)
+    run(TrainConfig(algo="dflash", block_size=4, max_steps=1, batch_size=2, val_fraction=0), data, weights, config,
+        tmp_path)  # fmt: skip
+    with pytest.raises(ConfigError, match="block_size"):
+        cfg = TrainConfig(algo="dflash", block_size=8, max_steps=2, batch_size=2, val_fraction=0)
+        run(cfg, data, weights, setup(count=4, block_size=8)[3], tmp_path)
+
+
+def _ddp_worker(rank: int, port: int, cfg, data, weights, config, out) -> None:
+    import os
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)
+    )
+    run(cfg, data, weights, config, out)
+
+
+def test_two_processes_give_the_same_losses_as_one(tmp_path):
+    """DDP (gloo, 2 processes) against 1 process at the same global batch: the anchors are seeded by step and
+    sequence, not by the process, so both draw the same blocks (tolerance as EAGLE-3's DDP test)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    _, data, weights, config = setup(count=10)
+    cfg = TrainConfig(algo="dflash", block_size=4, max_steps=3, batch_size=4, lr=3e-3, warmup_steps=1, anchors=4,
+                      eval_every=3, val_fraction=0.2)  # fmt: skip
+    run(cfg, data, weights, config, tmp_path / "one")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = (port, cfg, data, weights, config, tmp_path / "two")
+    mp.start_processes(_ddp_worker, args=args, nprocs=2, join=True, start_method="fork")
+    one, two = curve(tmp_path / "one"), curve(tmp_path / "two")
+    assert [(r["step"], r["split"]) for r in two] == [(r["step"], r["split"]) for r in one]
+    for a, b in zip(one, two, strict=True):
+        for key, value in a.items():
+            if key != "split":
+                assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (a["step"], a["split"], key)
