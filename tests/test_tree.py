@@ -148,3 +148,63 @@ def test_topk_larger_than_the_draft_vocabulary_is_an_error():
         tree.TreeShape.parse("depth=2,topk=50").check_vocab(32)
     assert tree.TreeShape.parse("depth=5,topk=4,total=16") == tree.TreeShape(5, 4, 16)
     assert tree.TreeShape.parse("topk=2,depth=3").total == 10
+
+
+def eagle3(seed: int, shape: tree.TreeShape | None):
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from tests.test_eagle3 import make_model
+
+    target = tiny_target(seed)
+    return target, Eagle3Drafter(make_model(target, seed=seed), tree=shape)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("shape", ["depth=1,topk=3,total=3", "depth=3,topk=2,total=6", "depth=5,topk=4,total=16"])
+def test_eagle3_greedy_tree_equals_generate(seed, shape):
+    shape = tree.TreeShape.parse(shape)
+    target, drafter = eagle3(seed, shape)
+    prompt = [0] + torch.randint(2, 90, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = SpeculativeDecoder(target, drafter, shape.total).generate(prompt, 40)
+    assert out.tokens == reference(target, prompt, 40)
+
+
+def test_eagle3_tree_children_are_the_top_ranked_continuations_of_their_path():
+    """Each node's children in the tree are the drafter's best next tokens after that node's path, as a chain
+    forced along the path computes them: the drafter's tree mask shows each node its ancestors and nothing else."""
+    shape = tree.TreeShape(4, 3, 20)
+    target, drafter = eagle3(2, shape)
+    prompt = torch.tensor([0, 5, 9, 14, 3, 22, 8])
+    cache = target.new_cache()
+    out = target.forward(prompt, cache, drafter.aux_layer_ids, logits_to_keep=1)
+    tokens = torch.cat([prompt, out.logits[-1].argmax().view(1)])
+    drafter.begin(prompt, out.aux_hidden)
+    draft = drafter.propose(tokens, shape.total, 0.0, torch.Generator())
+    assert len(draft.tokens) == shape.total and 3 <= int(tree.depths(draft.parents).max()) <= shape.depth
+    model, kids = drafter.model, tree.children(draft.parents)
+    to_draft = {int(t): d for d, t in enumerate(drafter.draft_ids.tolist())}
+    for row, below in enumerate(kids):
+        if not below:
+            continue
+        path, at = [], row - 1
+        while at >= 0:
+            path.insert(0, int(draft.tokens[at]))
+            at = int(draft.parents[at])
+        hidden, logits = drafter.hidden, drafter.logits
+        with torch.inference_mode():
+            for i, tok in enumerate(path):
+                position = torch.tensor([drafter.context + i])
+                hidden, step_logits = model(model.embed_tokens(torch.tensor([[tok]])), hidden, position, drafter.cache)
+                logits = step_logits[0, -1]
+        drafter.cache.crop(drafter.context)
+        best = logits.topk(len(below)).indices.tolist()
+        assert sorted(to_draft[int(draft.tokens[c])] for c in below) == sorted(best), row
+
+
+def test_eagle3_chain_shaped_tree_is_the_greedy_chain():
+    target, chain = eagle3(1, None)
+    _, single = eagle3(1, tree.TreeShape(5, 1, 5))
+    prompt = [0, 5, 9, 14, 3]
+    assert (
+        SpeculativeDecoder(target, chain, 5).generate(prompt, 30).proposed
+        == SpeculativeDecoder(target, single, 5).generate(prompt, 30).proposed
+    )
