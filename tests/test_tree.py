@@ -168,9 +168,9 @@ def test_eagle3_greedy_tree_equals_generate(seed, shape):
     assert out.tokens == reference(target, prompt, 40)
 
 
-def test_eagle3_tree_children_are_the_top_ranked_continuations_of_their_path():
-    """Each node's children in the tree are the drafter's best next tokens after that node's path, as a chain
-    forced along the path computes them: the drafter's tree mask shows each node its ancestors and nothing else."""
+def test_eagle3_tree_scores_are_the_log_probabilities_of_a_chain_along_each_path():
+    """Each node's cumulative log-probability equals that of a chain forced along its path: the drafter's tree mask
+    shows each node the context, its ancestors and itself, and nothing else."""
     shape = tree.TreeShape(4, 3, 20)
     target, drafter = eagle3(2, shape)
     prompt = torch.tensor([0, 5, 9, 14, 3, 22, 8])
@@ -178,26 +178,25 @@ def test_eagle3_tree_children_are_the_top_ranked_continuations_of_their_path():
     out = target.forward(prompt, cache, drafter.aux_layer_ids, logits_to_keep=1)
     tokens = torch.cat([prompt, out.logits[-1].argmax().view(1)])
     drafter.begin(prompt, out.aux_hidden)
-    draft = drafter.propose(tokens, shape.total, 0.0, torch.Generator())
-    assert len(draft.tokens) == shape.total and 3 <= int(tree.depths(draft.parents).max()) <= shape.depth
-    model, kids = drafter.model, tree.children(draft.parents)
-    to_draft = {int(t): d for d, t in enumerate(drafter.draft_ids.tolist())}
-    for row, below in enumerate(kids):
-        if not below:
-            continue
-        path, at = [], row - 1
+    assert len(drafter.propose(tokens, shape.total, 0.0, torch.Generator()).tokens) == shape.total
+    ids, parents, scores = drafter.grow_tree(shape.total)
+    assert 3 <= int(tree.depths(parents).max()) <= shape.depth
+    model = drafter.model
+    to_draft = {t: d for d, t in enumerate(drafter.draft_ids.tolist())}
+    for node in range(len(ids)):
+        path, at = [], node
         while at >= 0:
-            path.insert(0, int(draft.tokens[at]))
-            at = int(draft.parents[at])
-        hidden, logits = drafter.hidden, drafter.logits
+            path.insert(0, int(ids[at]))
+            at = int(parents[at])
+        hidden, logits, total = drafter.hidden, drafter.logits, 0.0
         with torch.inference_mode():
             for i, tok in enumerate(path):
+                total += float(torch.log_softmax(logits, -1)[to_draft[tok]])
                 position = torch.tensor([drafter.context + i])
                 hidden, step_logits = model(model.embed_tokens(torch.tensor([[tok]])), hidden, position, drafter.cache)
                 logits = step_logits[0, -1]
         drafter.cache.crop(drafter.context)
-        best = logits.topk(len(below)).indices.tolist()
-        assert sorted(to_draft[int(draft.tokens[c])] for c in below) == sorted(best), row
+        assert abs(total - float(scores[node])) < 1e-4, node
 
 
 def test_eagle3_chain_shaped_tree_is_the_greedy_chain():

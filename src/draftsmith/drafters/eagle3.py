@@ -509,6 +509,7 @@ class Eagle3Drafter:
         probs = torch.stack(dists).cpu() if temperature > 0 else None
         return Draft(torch.stack(drafted).cpu(), probs)
 
+    @torch.inference_mode()
     def grow_tree(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """EAGLE-2's dynamic tree from the last context position: (target token ids, parents, cumulative draft
         log-probabilities) of its nodes, in topological order, siblings best first.
