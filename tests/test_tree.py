@@ -207,3 +207,33 @@ def test_eagle3_chain_shaped_tree_is_the_greedy_chain():
         SpeculativeDecoder(target, chain, 5).generate(prompt, 30).proposed
         == SpeculativeDecoder(target, single, 5).generate(prompt, 30).proposed
     )
+
+
+def test_ngram_tree_merges_continuations_of_several_matches():
+    from draftsmith.drafters.ngram import NgramDrafter
+
+    drafter = NgramDrafter(1, 3, break_even=0.0, tree=tree.TreeShape(3, 3, 8))
+    text = torch.tensor([5, 6, 7, 8, 9, 6, 7, 2, 3, 5, 6, 7, 4, 6, 7])
+    draft = drafter.propose(text, 8, 0.0, torch.Generator())
+    # "6 7" occurred before, followed by 4 6 7 / 2 3 5 / 8 9 6 (latest first); "4 6 7" shares no prefix.
+    paths = []
+    for leaf in range(len(draft.tokens)):
+        if leaf in draft.parents.tolist():
+            continue
+        path, at = [], leaf
+        while at >= 0:
+            path.insert(0, int(draft.tokens[at]))
+            at = int(draft.parents[at])
+        paths.append(path)
+    assert paths == [[4, 6, 7], [2, 3, 5], [8, 9]]  # the third is cut at 8 nodes
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ngram_tree_is_lossless(seed):
+    from draftsmith.drafters.ngram import NgramDrafter
+
+    target = tiny_target(seed)
+    prompt = [0, 5, 9, 5, 9, 12, 5, 9, 14]
+    truth = reference(target, prompt, 40)
+    drafter = NgramDrafter(break_even=0.0, tree=tree.TreeShape(4, 3, 10))
+    assert SpeculativeDecoder(target, drafter, 10).generate(prompt, 40).tokens == truth
