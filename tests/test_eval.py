@@ -156,10 +156,15 @@ def test_learned_drafter_tree_reports_its_chains_side_by_side(tmp_path):
     run(TrainConfig(max_steps=4, batch_size=2, ttt_steps=2, val_fraction=0), data, weights, config, tmp_path / "run")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "t5 t9 t5 t9", "category": "a"}\n{"prompt": "t7 t8 t7", "category": "b"}\n')
+    tune = tmp_path / "tune.json"  # as `draftsmith tune` writes it: the best shape and the table
+    rows = [{"shape": "depth=3,topk=2,total=6", "depth": 3, "topk": 2, "total": 6, "tokens_per_s": 30.0},
+            {"shape": "depth=2,topk=1,total=2", "depth": 2, "topk": 1, "total": 2, "tokens_per_s": 20.0}]  # fmt: skip
+    tune.write_text(json.dumps({"best": rows[0], "shapes": rows}))
     cfg = EvalConfig(drafter=str(tmp_path / "run"), dataset=str(prompts), max_new_tokens=16, num_draft_tokens=2,
-                     tree="depth=3,topk=2,total=6", out=tmp_path / "eval")  # fmt: skip
+                     tree=str(tune), out=tmp_path / "eval")  # fmt: skip
     (report,) = run_eval(cfg, target)
     assert report["tree"] == "depth=3,topk=2,total=6" and report["num_draft_tokens"] == 6
+    assert report["predicted_tokens_per_s"] == 30.0 and report["predicted_tokens_per_s_chain"] == 20.0
     assert report["mismatches"] == report["mismatches_chain"] == report["mismatches_adaptive"] == 0
     assert len(report["acceptance_by_position"]) == 6 and len(report["acceptance_by_position_chain"]) == 2
     text = (tmp_path / "eval" / "report.md").read_text()

@@ -203,6 +203,10 @@ FIXED_ROWS = [
 ]
 
 
+PREDICTED_ROWS = [
+    ("tune predicted: speculative tokens/s", "predicted_tokens_per_s", "{:.1f}"),
+    ("tune predicted: fixed chain tokens/s", "predicted_tokens_per_s_chain", "{:.1f}"),
+]
 TWIN_TITLES = {"_fixed": "fixed chain", "_chain": "fixed chain", "_adaptive": "adaptive chain"}
 
 
@@ -214,6 +218,7 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
                      for label, key, fmt in FIXED_ROWS]  # fmt: skip
     if "acceptance_length_fixed" in report:
         rows += FIXED_ROWS
+    rows += [(label, key, fmt) for label, key, fmt in PREDICTED_ROWS if key in report]
     return [(label, fmt.format(report[key])) for label, key, fmt in rows]
 
 

@@ -180,7 +180,7 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     from draftsmith.drafters import build_drafter, fixed_twin
     from draftsmith.evaluate import evaluate_drafters, merge_fixed, write_report
     from draftsmith.formats.load import checkpoint_dir, trained_depth
-    from draftsmith.tune import resolve_tree
+    from draftsmith.tune import predicted_speeds, resolve_tree
 
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
     specs = [cfg.drafter, *cfg.compare]
@@ -214,6 +214,8 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
         tree_report = merge_fixed(tree_report | {"tree": str(shape)}, chain_reports[0], "_chain")
         if twin is not None:
             tree_report = merge_fixed(tree_report, chain_reports[1], "_adaptive")
+        if cfg.tree.endswith(".json"):  # what tune predicted for both, to hold against what was measured
+            tree_report |= predicted_speeds(Path(cfg.tree), shape, cfg.num_draft_tokens)
         reports = [tree_report, *chain_reports[len(chains) :]]
     elif twin is None:
         reports = evaluate_drafters(target, drafters, dataset, prompts, cfg)

@@ -284,6 +284,16 @@ def read_tune(path: Path) -> TreeShape:
         ) from None
 
 
+def predicted_speeds(path: Path, shape: TreeShape, chain: int) -> dict:
+    """Tune's predicted tokens/s for `shape` and for a chain of `chain` tokens, where its table has them."""
+    rows = {row["shape"]: row["tokens_per_s"] for row in json.loads(path.read_text())["shapes"]}
+    found = {
+        "predicted_tokens_per_s": rows.get(str(shape)),
+        "predicted_tokens_per_s_chain": rows.get(str(TreeShape(chain, 1, chain))),
+    }
+    return {k: v for k, v in found.items() if v is not None}
+
+
 def check_tree_spec(spec: str | None) -> str | None:
     """Fail on a malformed `--tree` before any model loads: 'auto', a tune.json, or a shape."""
     if spec is not None and spec != "auto" and not spec.endswith(".json"):
