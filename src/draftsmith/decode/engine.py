@@ -3,6 +3,8 @@
 The KV cache always holds every token of the sequence except the newest one, which is fed first in the next
 forward together with the draft: one forward over [last, d1..dk] yields the target's distribution after each
 prefix, so verification needs no other target call. Rejected drafts are cropped off the cache afterwards.
+A drafter may propose a tree instead (`Draft.parents`): one forward over [last, nodes] under the tree mask, the
+longest accepted root-to-leaf path, and the cache compacted to that path (decode/tree.py, decode/cache.py).
 """
 
 import time
@@ -97,7 +99,7 @@ class SpeculativeDecoder:
         while len(result.tokens) < max_new_tokens and result.tokens[-1] not in target.eos_token_ids:
             k = min(k_max, max_new_tokens - len(result.tokens) - 1)
             draft = drafter.propose(seq[:n], k, temperature, generator) if k > 0 else Draft.empty()
-            if draft.parents is None:
+            if draft.parents is None or not len(draft.tokens):  # a chain (or nothing)
                 m = len(draft.tokens)
                 out = target.forward(torch.cat([seq[n - 1 : n], draft.tokens]), cache, layers)
                 if greedy:
