@@ -3,7 +3,8 @@
     tokens/s(shape) = new tokens / (prefill + sum over rounds of (verify(m + 1) + draft(shape) + engine))
 
 - verify(n): the target's forward over n new tokens on a warm cache, under the tree mask as the engine runs it
-  (with the mask built and the cache compacted), timed here for n = 1..64, interleaved, medians;
+  (with the mask built and the cache compacted), timed here for n = 1..64 (17 sizes, the rest interpolated),
+  interleaved, medians;
 - draft(shape): the drafter's own `propose` for that shape, timed inside the acceptance run below (it includes
   the drafter's catch-up over the positions the target just confirmed, which depends on how many it accepts);
 - engine: the engine's remaining per-round work, from a plain-decoding run against its forwards;
@@ -39,6 +40,7 @@ from draftsmith.target import Target
 from draftsmith.util import write_atomic
 
 MAX_VERIFY = 64
+VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 56, 64)  # timed; the rest interpolated
 # (depths, top-ks, totals, chain lengths) tried by default
 DEFAULT_GRID = ((4, 6, 8), (2, 4, 8), (8, 16, 32, 48), (2, 3, 4, 5, 6, 7, 8))
 
@@ -57,9 +59,10 @@ class ShapeResult:
     rank_tree: list[tuple[int, ...]] = field(default_factory=list)  # the static tree vLLM would serve instead
 
 
-def verify_costs(target: Target, context: int = 200, sizes: Sequence[int] = range(1, MAX_VERIFY + 1), repeats: int = 5):
-    """Seconds per target forward over n new tokens, n in `sizes`, on a `context`-long cache: n = 1 as plain
-    decoding runs it, n > 1 as a tree of n - 1 nodes (mask built, cache compacted), medians of interleaved runs."""
+def verify_costs(target: Target, context: int = 200, sizes: Sequence[int] = VERIFY_SIZES, repeats: int = 5):
+    """Seconds per target forward over n = 1..64 new tokens on a `context`-long cache: n = 1 as plain decoding runs
+    it, n > 1 as a tree of n - 1 nodes (mask built, cache compacted). `sizes` are timed (medians of interleaved
+    runs), the sizes between them interpolated linearly."""
     cache = target.new_cache()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (context + MAX_VERIFY,), generator=gen)
@@ -90,7 +93,12 @@ def verify_costs(target: Target, context: int = 200, sizes: Sequence[int] = rang
                 start = time.perf_counter()
                 run(n)
                 times[n].append(time.perf_counter() - start)
-    return {n: statistics.median(ts) for n, ts in times.items()}
+    measured = sorted((n, statistics.median(ts)) for n, ts in times.items())
+    costs = {}
+    for (lo, a), (hi, b) in zip(measured, measured[1:], strict=False):
+        for n in range(lo, hi + 1):
+            costs[n] = a + (b - a) * (n - lo) / (hi - lo)
+    return costs or dict(measured)
 
 
 def engine_overhead(target: Target, prompt_ids: list[int], one_token: float, new_tokens: int = 32) -> float:
