@@ -347,8 +347,9 @@ def print_tune(report: dict, console: Console) -> None:
     """The table of every shape tried, best first, then the best one and how to serve it."""
     base = report["baseline_tokens_per_s"]
     table = Table(title=f"{report['drafter']} on {report['target']}: predicted tokens/s (plain decoding {base:.1f})")
-    for column in ("shape", "tau", "draft ms/round", "verify ms/round", "tokens/s", "speedup"):
-        table.add_column(column, justify="left" if column == "shape" else "right")
+    table.add_column("shape (ms are per round)", no_wrap=True)
+    for column in ("tau", "draft ms", "verify ms", "tokens/s", "speedup"):
+        table.add_column(column, justify="right", no_wrap=True)
     for row in report["shapes"]:
         table.add_row(
             f"chain of {row['depth']}" if row["topk"] == 1 else row["shape"],
