@@ -75,3 +75,13 @@ def test_topk_larger_than_the_draft_vocabulary_fails_when_the_tree_is_set():
         with_tree(drafter, TreeShape(2, 49, 10))
     with pytest.raises(Exception, match="cannot draft trees"):
         with_tree(NullDrafter(), TreeShape(2, 2, 4))
+
+
+def test_tree_auto_tunes_and_returns_a_shape(capsys):
+    from draftsmith.tune import resolve_tree
+
+    shape = resolve_tree("auto", tiny_target(1), "ngram")
+    assert isinstance(shape, TreeShape)
+    assert f"--tree auto: {shape}" in capsys.readouterr().out
+    assert resolve_tree(None, tiny_target(1), "ngram") is None
+    assert resolve_tree("depth=2,topk=2", tiny_target(1), "ngram") == TreeShape(2, 2, 6)
