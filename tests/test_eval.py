@@ -126,3 +126,46 @@ def test_learned_drafter_reports_fixed_chain_next_to_adaptive(tmp_path, capsys):
     assert report["by_kind"].keys() == report["by_kind_fixed"].keys() == {"a", "b"}
     runs = {p["kind"]: p for p in report["per_prompt"]}
     assert report["by_kind"]["a"]["acceptance_length"] == pytest.approx(runs["a"]["acceptance_length"])
+
+
+def test_smollm2_tree_speculation_is_identical_to_generate(smollm2, tmp_path):
+    """Tree verification through the real model's 4-D mask path, with its oneDNN-packed weights."""
+    from draftsmith.decode.tree import TreeShape
+    from draftsmith.packed import PackedLinear
+
+    assert any(isinstance(m, PackedLinear) for m in smollm2.model.modules())
+    prompts = chats(
+        "List three facts about the Moon, then repeat the list in reverse order.",
+        "Write a Python function that returns the n-th Fibonacci number, and explain it.",
+    )
+    cfg = EvalConfig(max_new_tokens=64, out=tmp_path)
+    drafter = NgramDrafter(break_even=0.0, tree=TreeShape(5, 3, 12))
+    report = evaluate(smollm2, drafter, "integration", prompts, cfg.model_copy(update={"num_draft_tokens": 12}))
+    assert report["mismatches"] == 0, report["per_prompt"]
+    assert report["acceptance_length"] > 1.0
+
+
+def test_learned_drafter_tree_reports_its_chains_side_by_side(tmp_path):
+    """`eval --tree`: the tree (main fields), the fixed chain (`*_chain`) and the adaptive chain (`*_adaptive`) of
+    the same drafter, one run, one baseline, all lossless."""
+    from draftsmith.stages import evaluate as run_eval
+    from draftsmith.train import TrainConfig
+    from tests.test_train import run, setup
+
+    target, data, weights, config = setup(count=6)
+    run(TrainConfig(max_steps=4, batch_size=2, ttt_steps=2, val_fraction=0), data, weights, config, tmp_path / "run")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "t5 t9 t5 t9", "category": "a"}\n{"prompt": "t7 t8 t7", "category": "b"}\n')
+    tune = tmp_path / "tune.json"  # as `draftsmith tune` writes it: the best shape and the table
+    rows = [{"shape": "depth=3,topk=2,total=6", "depth": 3, "topk": 2, "total": 6, "tokens_per_s": 30.0},
+            {"shape": "depth=2,topk=1,total=2", "depth": 2, "topk": 1, "total": 2, "tokens_per_s": 20.0}]  # fmt: skip
+    tune.write_text(json.dumps({"best": rows[0], "shapes": rows}))
+    cfg = EvalConfig(drafter=str(tmp_path / "run"), dataset=str(prompts), max_new_tokens=16, num_draft_tokens=2,
+                     tree=str(tune), out=tmp_path / "eval")  # fmt: skip
+    (report,) = run_eval(cfg, target)
+    assert report["tree"] == "depth=3,topk=2,total=6" and report["num_draft_tokens"] == 6
+    assert report["predicted_tokens_per_s"] == 30.0 and report["predicted_tokens_per_s_chain"] == 20.0
+    assert report["mismatches"] == report["mismatches_chain"] == report["mismatches_adaptive"] == 0
+    assert len(report["acceptance_by_position"]) == 6 and len(report["acceptance_by_position_chain"]) == 2
+    text = (tmp_path / "eval" / "report.md").read_text()
+    assert "fixed chain: acceptance length" in text and "adaptive chain: speedup" in text

@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = {
     0: "target packed config errors progress util",
     1: "train decode drafters data store vocab online backends",
-    2: "evaluate formats engines serve bench",
+    2: "evaluate tune formats engines serve bench",
     3: "stages",
     4: "pipeline run_report run_status",
     5: "cli launch",

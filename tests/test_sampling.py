@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 from draftsmith.decode import engine as engine_module
 from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.decode.verify import target_probs, verify_sampling
+from draftsmith.drafters.base import Draft
 from draftsmith.drafters.draft_model import ModelDrafter
 from tests.conftest import tiny_target
 
@@ -136,3 +137,81 @@ def test_joint_enumeration_sums_to_one(small_vocab_pair):
     assert abs(sum(joint.values()) - 1) < 1e-5
     finished = {(1,)}  # EOS (id 1) first: the sequence stops there
     assert set(joint) == finished | {k for k in itertools.product(range(5), repeat=2) if k[0] != 1}
+
+
+class TreeSampler:
+    """A tree per round from a small draft LM: two independent draws from q under the root (they may repeat), its
+    argmax twice (a deterministic sibling and its repeat), and a draw from q below the first draw: every kind of
+    sibling the multi-candidate rule must handle."""
+
+    name = "tree-sampler"
+    aux_layer_ids = ()
+
+    def __init__(self, draft) -> None:
+        self.draft = draft
+
+    def begin(self, prompt, features):
+        pass
+
+    def q(self, tokens: list[int], temperature: float) -> torch.Tensor:
+        with torch.no_grad():
+            return target_probs(self.draft.model(torch.tensor([tokens])).logits[0, -1], temperature)
+
+    def propose(self, tokens, max_tokens, temperature, generator):
+        tokens = tokens.tolist()
+        q0 = self.q(tokens, temperature)
+        a, b = torch.multinomial(q0, 2, replacement=True, generator=generator).tolist()
+        q1 = self.q(tokens + [a], temperature)
+        c = int(torch.multinomial(q1, 1, generator=generator))
+        best = int(q0.argmax())
+        point = torch.zeros_like(q0)
+        point[best] = 1.0
+        nodes = [(a, -1, q0), (b, -1, q0), (best, -1, point), (best, -1, point), (c, 0, q1)][:max_tokens]
+        return Draft(
+            torch.tensor([t for t, _, _ in nodes]),
+            torch.stack([q for _, _, q in nodes]),
+            parents=torch.tensor([p for _, p, _ in nodes]),
+        )
+
+    def accepted(self, num_accepted, features):
+        pass
+
+
+def sample_tree_engine(target, drafter, prompt, length, runs, temperature):
+    decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=5)
+    counts: dict[tuple[int, ...], int] = {}
+    for seed in range(runs):
+        key = tuple(decoder.generate(prompt, length, temperature=temperature, seed=seed).tokens)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_tree_sampling_matches_target_joint(small_vocab_pair):
+    target, draft = small_vocab_pair
+    prompt, runs, temperature = [2, 3, 4], 3000, 1.0
+    counts = sample_tree_engine(target, TreeSampler(draft), prompt, 4, runs, temperature)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, 4, temperature), runs) > P_VALUE_FLOOR
+
+
+def test_chi_square_catches_a_tree_verifier_that_forgets_rejected_siblings(small_vocab_pair, monkeypatch):
+    """The classic multi-candidate bug: try each sibling against the untouched p (no residual after a rejection)."""
+    from draftsmith.decode import tree
+
+    def forgetful(tokens, parents, draft_probs, probs, generator):
+        kids, path, row = tree.children(parents), [], 0
+        while True:
+            p = probs[row]
+            for c in kids[row]:
+                x = int(tokens[c])
+                if float(torch.rand(1, generator=generator)) * draft_probs[c, x] <= p[x]:
+                    path.append(c)
+                    row = c + 1
+                    break
+            else:
+                return path, int(torch.multinomial(p, 1, generator=generator))
+
+    target, draft = small_vocab_pair
+    prompt, runs, temperature = [2, 3, 4], 1500, 1.0
+    monkeypatch.setattr(tree, "accept_sampling", forgetful)
+    counts = sample_tree_engine(target, TreeSampler(draft), prompt, 4, runs, temperature)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, 4, temperature), runs) < P_VALUE_FLOOR

@@ -386,12 +386,16 @@ def test_text_stream_never_splits_a_character_and_holds_back_stop_prefixes(smoll
     assert stream.stopped and "".join(deltas) == text[: text.index("STOP")]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "ngram-tree", "eagle3-tree"])
 def test_interleaved_requests_decode_exactly_as_one_at_a_time(kind):
     """The scheduler interleaves requests round by round, each with its own copy of the drafter: every answer, greedy
-    or sampled, must be the one the engine gives for that request alone."""
+    or sampled, must be the one the engine gives for that request alone (trees included)."""
+    from draftsmith.decode.tree import TreeShape
+    from draftsmith.drafters import with_tree
+
     target = tiny_target(3)
-    drafter = NgramDrafter(break_even=0.0) if kind == "ngram" else Eagle3Drafter(make_model(target))
+    drafter = NgramDrafter(break_even=0.0) if kind.startswith("ngram") else Eagle3Drafter(make_model(target))
+    drafter = with_tree(drafter, TreeShape(3, 2, 4) if kind.endswith("tree") else None)
     metrics = ServerMetrics(4, target="tiny", drafter=kind, model="tiny")
     scheduler = Scheduler(target, drafter, metrics, num_draft_tokens=4, max_active=3, max_queue=8)
     prompts = ["t5 t6 t7", "t9 t9 t9 t9", "t20 t30 t40 t50", "t11 t12", "t40 t41 t42"]

@@ -37,6 +37,10 @@ DatasetOpt = Annotated[str, typer.Option(help="builtin | mt_bench | humaneval | 
 OverwriteOpt = Annotated[
     bool, typer.Option(help="replace --out even if it holds files draftsmith did not write (they are deleted)")
 ]
+TreeOpt = Annotated[
+    str | None,
+    typer.Option(help="draft trees: depth=D,topk=K[,total=N] | auto (a short tune first) | a tune.json"),
+]
 DataDirOpt = Annotated[
     Path | None, typer.Option(envvar="DRAFTSMITH_DATA", help="folder with mt_bench/humaneval/gsm8k files")
 ]
@@ -57,14 +61,19 @@ def eval_cmd(
     draft_length: Annotated[str, typer.Option(help="EAGLE-3: adaptive (stop when not paying) | fixed")] = "adaptive",
     compare: Annotated[list[str], typer.Option(help="more drafters against the same baseline runs")] = [],  # noqa: B006
     compare_limit: Annotated[int | None, typer.Option(help="run the --compare drafters on the first N only")] = None,
+    tree: TreeOpt = None,
     seed: int = 0,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     out: Annotated[Path, typer.Option(help="where report.json and report.md go")] = Path("runs/eval"),
     overwrite: OverwriteOpt = False,
 ) -> None:
-    """Speculative decoding vs `model.generate` on a prompt set: acceptance length, speedup, identical output."""
+    """Speculative decoding vs `model.generate` on a prompt set: acceptance length, speedup, identical output.
+    With --tree, the tree and its drafter's chains (fixed --num-draft-tokens, and adaptive) run side by side."""
     options = {k: v for k, v in locals().items() if k != "overwrite"}
     from draftsmith.config import EvalConfig
+    from draftsmith.tune import check_tree_spec
+
+    check_tree_spec(tree)
 
     _claim(out, "eval", overwrite)
 
@@ -303,6 +312,37 @@ def _print_run(run_dir: Path) -> None:
 
 @app.command()
 @user_errors
+def tune(
+    target: TargetOpt = "smollm2-135m",
+    drafter: DrafterOpt = "ngram",
+    dataset: DatasetOpt = "builtin",
+    data_dir: DataDirOpt = None,
+    skip: Annotated[int, typer.Option(help="skip the first N prompts (e.g. the ones eval measures on)")] = 0,
+    limit: Annotated[int, typer.Option(help="prompts whose acceptance is replayed")] = 10,
+    max_new_tokens: int = 128,
+    depths: Annotated[str, typer.Option(help="tree depths to try")] = "4,6,8",
+    topks: Annotated[str, typer.Option(help="tree top-k to try")] = "2,4,8",
+    totals: Annotated[str, typer.Option(help="tree total tokens to try")] = "8,16,32,48",
+    chains: Annotated[str, typer.Option(help="chain lengths to try")] = "2,3,4,5,6,7,8",
+    dtype: str = "float32",
+    out: Annotated[Path, typer.Option(help="where tune.json goes")] = Path("runs/tune"),
+) -> None:
+    """Time this machine's verify and draft costs, replay acceptance on prompts, and print the tree shape (or chain)
+    with the best expected tokens/s, the table it chose from, and the matching SGLang and vLLM flags."""
+    from draftsmith.stages import TuneConfig
+    from draftsmith.stages import tune as run_tune
+    from draftsmith.target import load_target
+    from draftsmith.tune import parse_ints, print_tune
+
+    lists = {"depths": depths, "topks": topks, "totals": totals, "chains": chains}
+    options = {k: v for k, v in locals().items() if k in TuneConfig.model_fields and k not in lists}
+    cfg = TuneConfig.checked(**options, **{name: parse_ints(name, text) for name, text in lists.items()})
+    print_tune(run_tune(cfg, load_target(cfg.target, dtype=cfg.dtype)), Console())
+    console.print(f"wrote {cfg.out / 'tune.json'}")
+
+
+@app.command()
+@user_errors
 def serve(
     target: TargetOpt = "smollm2-135m",
     drafter: DrafterOpt = "ngram",
@@ -310,6 +350,7 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port (0: any free port)")] = 8000,
     model_name: Annotated[str | None, typer.Option(help="model id clients send (default: --target)")] = None,
     num_draft_tokens: int = 7,
+    tree: TreeOpt = None,
     max_active: Annotated[int, typer.Option(help="requests decoded at once, interleaved round by round")] = 4,
     max_queue: Annotated[int, typer.Option(help="requests that may wait; beyond it the server answers 429")] = 32,
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none")] = 256,
@@ -323,6 +364,9 @@ def serve(
     """An OpenAI-compatible HTTP server (completions, chat, streaming) that decodes speculatively."""
     options = dict(locals())
     from draftsmith.serve.server import ServeConfig
+    from draftsmith.tune import check_tree_spec
+
+    check_tree_spec(tree)
     from draftsmith.serve.server import serve as run_serve
 
     run_serve(ServeConfig.checked(**options))

@@ -38,6 +38,7 @@ class EvalConfig(StageConfig):
     num_draft_tokens: int = Field(default=7, ge=1, le=64)
     draft_length: Literal["adaptive", "fixed"] = "adaptive"  # EAGLE-3: cut chains that stop paying, or not
     compare: list[str] = []  # more drafters measured against the same baseline runs (e.g. ngram)
+    tree: str | None = None  # draft trees: "depth=D,topk=K,total=N", "auto" (a short tune), or a tune.json
     compare_limit: int | None = Field(default=None, ge=1)  # ... on the first N prompts only
     seed: int = 0
     out: Path = Path("runs/eval")

@@ -70,15 +70,18 @@ def evaluate_drafters(
     prompts: list[Conversation],
     cfg: EvalConfig,
     everywhere: int = 1,
+    draft_tokens: Sequence[int] | None = None,
 ) -> list[dict]:
     """One report per drafter, all against the same baseline runs: per prompt, the baseline and each drafter run
     back to back in an order that rotates from prompt to prompt, so machine noise hits every contestant alike.
     The first `everywhere` drafters run on every prompt; the others on the first `cfg.compare_limit` prompts only
-    (all when None), against the baseline runs of those prompts."""
+    (all when None), against the baseline runs of those prompts. `draft_tokens`: each drafter's most draft tokens
+    per round (a tree's total), default `cfg.num_draft_tokens`."""
     encoded = [encode_chat(target.tokenizer, c.messages) for c in prompts]
     for conv, ids in zip(prompts, encoded, strict=True):
         target.check_fits(len(ids), cfg.max_new_tokens, where=f"prompt {conv.id!r} of {dataset}")
-    decoders = [SpeculativeDecoder(target, d, cfg.num_draft_tokens) for d in drafters]
+    draft_tokens = list(draft_tokens or [cfg.num_draft_tokens] * len(drafters))
+    decoders = [SpeculativeDecoder(target, d, k) for d, k in zip(drafters, draft_tokens, strict=True)]
     warm = min(16, cfg.max_new_tokens)
     for decoder in decoders:
         decoder.generate(encoded[0], warm, cfg.temperature, cfg.top_p, cfg.seed)
@@ -105,10 +108,10 @@ def evaluate_drafters(
             d,
             dataset,
             prompts[: len(runs)],
-            cfg,
+            cfg.model_copy(update={"num_draft_tokens": k}),
             [(s, *b) for s, b in zip(runs, baselines[: len(runs)], strict=True)],
         )  # fmt: skip
-        for d, runs in zip(drafters, specs, strict=True)
+        for d, k, runs in zip(drafters, draft_tokens, specs, strict=True)
     ]
 
 
@@ -162,10 +165,11 @@ FIXED_KEYS = ("acceptance_length", "acceptance_by_position", "drafts_by_position
               "mismatches", "by_kind")  # fmt: skip
 
 
-def merge_fixed(report: dict, fixed: dict) -> dict:
+def merge_fixed(report: dict, fixed: dict, suffix: str = "_fixed") -> dict:
     """The adaptive report with the same drafter's fixed-chain run added as `<key>_fixed`: the drafter's quality
-    (what papers, vLLM and SGLang report) next to what the adaptive budget makes of it end to end."""
-    return report | {f"{key}_fixed": fixed[key] for key in FIXED_KEYS}
+    (what papers, vLLM and SGLang report) next to what the adaptive budget makes of it end to end. A tree report
+    takes its drafter's chain runs the same way, as `<key>_chain` (fixed) and `<key>_adaptive`."""
+    return report | {f"{key}{suffix}": fixed[key] for key in FIXED_KEYS}
 
 
 def _by_kind(prompts: list[Conversation], runs: list[Generation]) -> dict[str, dict]:
@@ -200,8 +204,22 @@ FIXED_ROWS = [
 ]
 
 
+PREDICTED_ROWS = [
+    ("tune predicted: speculative tokens/s", "predicted_tokens_per_s", "{:.1f}"),
+    ("tune predicted: fixed chain tokens/s", "predicted_tokens_per_s_chain", "{:.1f}"),
+]
+TWIN_TITLES = {"_fixed": "fixed chain", "_chain": "fixed chain", "_adaptive": "adaptive chain"}
+
+
 def summary_rows(report: dict) -> list[tuple[str, str]]:
-    rows = SUMMARY_ROWS + (FIXED_ROWS if "acceptance_length_fixed" in report else [])
+    rows = list(SUMMARY_ROWS)
+    for suffix in ("_chain", "_adaptive"):
+        if f"acceptance_length{suffix}" in report:
+            rows += [(f"{TWIN_TITLES[suffix]}: {label.split(': ')[1]}", key.replace("_fixed", suffix), fmt)
+                     for label, key, fmt in FIXED_ROWS]  # fmt: skip
+    if "acceptance_length_fixed" in report:
+        rows += FIXED_ROWS
+    rows += [(label, key, fmt) for label, key, fmt in PREDICTED_ROWS if key in report]
     return [(label, fmt.format(report[key])) for label, key, fmt in rows]
 
 
@@ -216,7 +234,8 @@ def render_markdown(report: dict) -> str:
         "| --- | ---: |",
     ]
     lines += [f"| {label} | {value} |" for label, value in summary_rows(report)]
-    for suffix, title in (("", "adaptive budget"), ("_fixed", "fixed chain")):
+    first = f"tree {report['tree']}" if report.get("tree") else "adaptive budget"
+    for suffix, title in (("", first), ("_fixed", "fixed chain"), ("_chain", "fixed chain"), ("_adaptive", "adaptive")):
         if f"acceptance_by_position{suffix}" not in report:
             continue
         lines += ["", f"| draft position ({title}) | P(accepted) | drafts |", "| ---: | ---: | ---: |"]

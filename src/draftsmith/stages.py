@@ -195,6 +195,7 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     from draftsmith.drafters import fixed_twin
     from draftsmith.evaluate import evaluate_drafters, merge_fixed, write_report
     from draftsmith.formats.load import build_drafter, checkpoint_dir, trained_depth
+    from draftsmith.tune import predicted_speeds, resolve_tree
 
     claim_dir(cfg.out, "eval")
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
@@ -207,9 +208,32 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
                 f"for: steps past {depth} continue from states it never learned (use --num-draft-tokens {depth}, or "
                 "train with a deeper --ttt-steps)"
             )
+    shape = resolve_tree(cfg.tree, target, cfg.drafter, cfg.dtype)
     drafters = [build_drafter(s, target, dtype=cfg.dtype, draft_length=cfg.draft_length) for s in specs]
     twin = fixed_twin(drafters[0])  # a learned drafter's quality: the same drafter with a fixed chain
-    if twin is None:
+    if shape is not None:
+        # The tree, its drafter's fixed chain of --num-draft-tokens and (if adaptive) its adaptive chain, side by
+        # side against the same baseline runs.
+        tree_drafter = build_drafter(cfg.drafter, target, dtype=cfg.dtype, tree=shape)
+        chains = [twin, drafters[0]] if twin is not None else [drafters[0]]
+        first = [tree_drafter, *chains]
+        k = cfg.num_draft_tokens
+        tree_report, *chain_reports = evaluate_drafters(
+            target,
+            [*first, *drafters[1:]],
+            dataset,
+            prompts,
+            cfg,
+            len(first),
+            [shape.total] + [k] * (len(first) + len(drafters) - 2),
+        )
+        tree_report = merge_fixed(tree_report | {"tree": str(shape)}, chain_reports[0], "_chain")
+        if twin is not None:
+            tree_report = merge_fixed(tree_report, chain_reports[1], "_adaptive")
+        if cfg.tree.endswith(".json"):  # what tune predicted for both, to hold against what was measured
+            tree_report |= predicted_speeds(Path(cfg.tree), shape, cfg.num_draft_tokens)
+        reports = [tree_report, *chain_reports[len(chains) :]]
+    elif twin is None:
         reports = evaluate_drafters(target, drafters, dataset, prompts, cfg)
     else:
         adaptive, fixed, *others = evaluate_drafters(
@@ -220,6 +244,55 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
         report["drafter_checkpoint"] = str(checkpoint_dir(spec)) if Path(spec).is_dir() else None
         write_report(report, cfg.out if i == 0 else cfg.out / _safe_name(spec))
     return reports
+
+
+class TuneConfig(StageConfig):
+    target: str = "smollm2-135m"
+    dtype: str = "float32"
+    drafter: str = "ngram"
+    dataset: str = "builtin"
+    data_dir: Path | None = None
+    skip: int = Field(default=0, ge=0)  # prompts skipped first (e.g. those an eval will measure on)
+    limit: int = Field(default=10, ge=1)
+    max_new_tokens: int = Field(default=128, ge=2)
+    depths: list[int] = [4, 6, 8]
+    topks: list[int] = [2, 4, 8]
+    totals: list[int] = [8, 16, 32, 48]
+    chains: list[int] = [2, 3, 4, 5, 6, 7, 8]
+    out: Path = Path("runs/tune")
+
+
+def tune(cfg: TuneConfig, target: Target) -> dict:
+    """`draftsmith tune`: the tree shape or chain length with the best predicted tokens/s on this machine, from
+    the target's verify costs timed here and acceptance replayed on a prompt set; writes `out/tune.json`."""
+    from draftsmith.data.sources import load_eval_prompts
+    from draftsmith.data.tokenize import encode_chat
+    from draftsmith.drafters import with_tree
+    from draftsmith.formats.load import build_drafter
+    from draftsmith.tune import candidate_shapes, engine_flags, write_tune
+    from draftsmith.tune import tune as run_tune
+
+    dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.skip + cfg.limit)
+    prompts = prompts[cfg.skip :]
+    if not prompts:
+        raise ConfigError(f"--skip {cfg.skip} leaves no prompt of {dataset}", hint="lower --skip")
+    encoded = [encode_chat(target.tokenizer, c.messages) for c in prompts]
+    base = build_drafter(cfg.drafter, target, dtype=cfg.dtype, draft_length="fixed")
+    shapes = candidate_shapes(cfg.depths, cfg.topks, cfg.totals, cfg.chains)
+    if not shapes:
+        raise ConfigError("no tree shape or chain to try", hint="give --depths/--topks/--totals or --chains")
+    for shape in shapes:
+        with_tree(base, shape)  # every bad shape fails here, before any timing
+    report = run_tune(target, lambda shape: with_tree(base, shape), encoded, shapes, cfg.max_new_tokens)
+    report |= {"drafter": cfg.drafter, "dataset": dataset, "skip": cfg.skip}
+    if Path(cfg.drafter).is_dir():
+        from draftsmith.formats.common import verifier_name
+
+        report["flags"] = engine_flags(
+            report["best"], "<the drafter exported for that engine>", verifier_name(cfg.target)
+        )
+    write_tune(report, cfg.out)
+    return report
 
 
 def warn(message: str) -> None:

@@ -105,8 +105,18 @@ class Target:
         layer_ids: tuple[int, ...] = (),
         logits_to_keep: int = 0,
         last_hidden: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> TargetOutput:
-        """One forward over `input_ids` (1-D, appended to `cache`); logits for the last `logits_to_keep` (0 = all)."""
+        """One forward over `input_ids` (1-D, appended to `cache`); logits for the last `logits_to_keep` (0 = all).
+        A draft tree passes its own 4-D additive `attention_mask` (1, 1, new, cache + new) and `position_ids` (new,)
+        (decode/tree.py); without them the new tokens attend causally at the next positions."""
+        tree = {}
+        if attention_mask is not None:
+            tree = {
+                "attention_mask": attention_mask.to(self.device, self.model.dtype),
+                "position_ids": position_ids.view(1, -1).to(self.device),
+            }
         captured: dict[int, torch.Tensor] = {}
         handles = [self.layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True) for i in layer_ids]
         try:
@@ -116,6 +126,7 @@ class Target:
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
                 output_hidden_states=last_hidden,
+                **tree,
             )
         finally:
             for h in handles:

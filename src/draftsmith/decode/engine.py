@@ -3,6 +3,8 @@
 The KV cache always holds every token of the sequence except the newest one, which is fed first in the next
 forward together with the draft: one forward over [last, d1..dk] yields the target's distribution after each
 prefix, so verification needs no other target call. Rejected drafts are cropped off the cache afterwards.
+A drafter may propose a tree instead (`Draft.parents`): one forward over [last, nodes] under the tree mask, the
+longest accepted root-to-leaf path, and the cache compacted to that path (decode/tree.py, decode/cache.py).
 """
 
 import time
@@ -11,8 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from transformers import Cache
 
-from draftsmith.decode.cache import rollback
+from draftsmith.decode import tree
+from draftsmith.decode.cache import compact, rollback
 from draftsmith.decode.verify import target_probs, verify_greedy, verify_sampling
 from draftsmith.drafters.base import Draft, Drafter
 from draftsmith.errors import ConfigError
@@ -95,23 +99,30 @@ class SpeculativeDecoder:
         while len(result.tokens) < max_new_tokens and result.tokens[-1] not in target.eos_token_ids:
             k = min(k_max, max_new_tokens - len(result.tokens) - 1)
             draft = drafter.propose(seq[:n], k, temperature, generator) if k > 0 else Draft.empty()
-            m = len(draft.tokens)
-            out = target.forward(torch.cat([seq[n - 1 : n], draft.tokens]), cache, layers)
-            result.target_forwards += 1
-            if greedy:
-                n_acc, bonus = verify_greedy(draft.tokens, out.logits)
+            if draft.parents is None or not len(draft.tokens):  # a chain (or nothing)
+                m = len(draft.tokens)
+                out = target.forward(torch.cat([seq[n - 1 : n], draft.tokens]), cache, layers)
+                if greedy:
+                    n_acc, bonus = verify_greedy(draft.tokens, out.logits)
+                else:
+                    probs = target_probs(out.logits, temperature, top_p)
+                    n_acc, bonus = verify_sampling(draft.tokens, draft.probs, probs, generator)
+                if n_acc < m:
+                    rollback(cache, n + n_acc)
+                path = list(range(n_acc))
+                features = None if out.aux_hidden is None else out.aux_hidden[: n_acc + 1]
             else:
-                probs = target_probs(out.logits, temperature, top_p)
-                n_acc, bonus = verify_sampling(draft.tokens, draft.probs, probs, generator)
+                m = int(tree.depths(draft.parents).max())
+                path, bonus, features = self._verify_tree(draft, seq[n - 1 : n], cache, temperature, top_p, generator)
+                n_acc = len(path)
+            result.target_forwards += 1
             for i in range(m):
                 result.proposed[i] += 1
                 result.accepted[i] += i < n_acc
-            if n_acc < m:
-                rollback(cache, n + n_acc)
             if k > 0:
-                drafter.accepted(n_acc, None if out.aux_hidden is None else out.aux_hidden[: n_acc + 1])
+                drafter.accepted(n_acc, features)
 
-            new = draft.tokens[:n_acc].tolist() + [bonus]
+            new = draft.tokens[path].tolist() + [bonus]
             new = new[: max_new_tokens - len(result.tokens)]
             for j, tok in enumerate(new):  # an accepted EOS ends the answer just as the target would have
                 if tok in target.eos_token_ids:
@@ -122,3 +133,31 @@ class SpeculativeDecoder:
             result.tokens.extend(new)
             result.seconds = time.perf_counter() - start
             yield result
+
+    def _verify_tree(
+        self,
+        draft: Draft,
+        root: torch.Tensor,
+        cache: Cache,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator,
+    ) -> tuple[list[int], int, torch.Tensor | None]:
+        """One target forward over [root, tree nodes] under the tree mask; returns the accepted path (node indices),
+        the next token, and the target features of [root, path]. The cache keeps the root and the path, in order."""
+        past = cache.get_seq_length()
+        out = self.target.forward(
+            torch.cat([root, draft.tokens]),
+            cache,
+            self.drafter.aux_layer_ids,
+            attention_mask=tree.verify_mask(draft.parents, past, torch.float32),
+            position_ids=tree.verify_positions(draft.parents, past),
+        )
+        if temperature <= 0.0:
+            path, bonus = tree.accept_greedy(draft.tokens, draft.parents, out.logits)
+        else:
+            probs = target_probs(out.logits, temperature, top_p)
+            path, bonus = tree.accept_sampling(draft.tokens, draft.parents, draft.probs, probs, generator)
+        compact(cache, past + 1, [past + 1 + i for i in path])
+        rows = [0] + [i + 1 for i in path]
+        return path, bonus, None if out.aux_hidden is None else out.aux_hidden[rows]

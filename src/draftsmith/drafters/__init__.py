@@ -1,36 +1,61 @@
 """Drafters. Directory layouts (EAGLE-3 and DFlash checkpoints, exports) are read by `draftsmith.formats`, which hands a
 drafter its weights; this package never reads a layout itself (see `formats.load.build_drafter`)."""
 
+from draftsmith.decode.tree import TreeShape
 from draftsmith.drafters.base import Draft, Drafter, NullDrafter
 from draftsmith.drafters.budget import DraftBudget
 from draftsmith.errors import ConfigError
 from draftsmith.target import Target, load_target
 
-__all__ = ["BUILTIN_HINT", "Draft", "Drafter", "NullDrafter", "builtin_drafter", "fixed_twin"]
+__all__ = ["BUILTIN_HINT", "Draft", "Drafter", "NullDrafter", "builtin_drafter", "fixed_twin", "with_tree"]
 
 BUILTIN_HINT = (
     "use ngram, ngram:MIN-MAX, model:<hub id or directory>, none, dflash:DIR, or an EAGLE-3 run/checkpoint directory"
 )
 
 
-def builtin_drafter(spec: str, target: Target, dtype: str = "float32") -> Drafter:
-    """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM) or `none` (plain decoding)."""
+def builtin_drafter(spec: str, target: Target, dtype: str = "float32", tree: TreeShape | None = None) -> Drafter:
+    """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM) or `none` (plain decoding). With a
+    `tree` shape an n-gram drafter proposes trees of that shape (a top-k of 1: a chain)."""
     from draftsmith.drafters.draft_model import ModelDrafter
     from draftsmith.drafters.ngram import NgramDrafter
+
+    if tree is not None and not spec.startswith("ngram"):
+        raise ConfigError(
+            f"--tree needs an EAGLE-3 or n-gram drafter, not {spec!r}",
+            hint="drop --tree, or pass an EAGLE-3 run/checkpoint directory or ngram",
+        )
 
     kind, _, arg = spec.partition(":")
     if kind == "none" and not arg:
         return NullDrafter()
     if kind == "ngram":
         if not arg:
-            return NgramDrafter()
+            return with_tree(NgramDrafter(), tree)
         lo, _, hi = arg.partition("-")
         if not (lo.isdigit() and (hi or lo).isdigit() and 1 <= int(lo) <= int(hi or lo)):
             raise ConfigError(f"bad n-gram sizes in --drafter {spec!r}", hint="write ngram:MIN-MAX, e.g. ngram:1-4")
-        return NgramDrafter(int(lo), int(hi or lo))
+        return with_tree(NgramDrafter(int(lo), int(hi or lo)), tree)
     if kind == "model" and arg:
         return ModelDrafter(load_target(arg, dtype=dtype), target)
     raise ConfigError(f"unknown drafter {spec!r}", hint=BUILTIN_HINT)
+
+
+def with_tree(drafter: Drafter, shape: TreeShape | None) -> Drafter:
+    """Make a tree-capable drafter (EAGLE-3, n-gram) draft trees of `shape` from its next `begin` on: chains of
+    `shape.depth` tokens when its top-k is 1 (EAGLE-3 then drafts the fixed chain), as before when None."""
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.ngram import NgramDrafter
+
+    if shape is None:
+        return drafter
+    if not isinstance(drafter, Eagle3Drafter | NgramDrafter):
+        raise ConfigError(f"drafter {drafter.name} cannot draft trees", hint="use an EAGLE-3 or n-gram drafter")
+    if isinstance(drafter, Eagle3Drafter):
+        shape.check_vocab(drafter.model.config.draft_vocab_size)
+        drafter.budget = DraftBudget.fixed()
+    drafter.tree = None if shape.is_chain else shape
+    return drafter
 
 
 def fixed_twin(drafter: Drafter) -> Drafter | None:

@@ -9,6 +9,9 @@ A round of speculative decoding, as the engine drives it:
     accepted(n, features)            the target kept the first n draft tokens (and added one of its own);
                                      the drafter rolls its state back to match
 
+A drafter may return a tree instead of a chain (`Draft.parents`): then the features passed to `accepted` are those
+of the newest confirmed token and of the accepted path's nodes, in path order, as for a chain.
+
 `features` are the target's hidden states at `aux_layer_ids` (see target.py for the index convention) for the
 tokens the target has just confirmed, or None when the drafter asks for no layers. Like transformers'
 `CandidateGenerator`, a drafter may return fewer than k tokens, or none, when drafting would not pay.
@@ -24,6 +27,9 @@ import torch
 class Draft:
     tokens: torch.Tensor  # (m,) int64 target-vocabulary ids, m <= k
     probs: torch.Tensor | None = None  # (m, vocab) the distributions q they were sampled from; None = deterministic
+    # (m,) a tree: node i's parent index (< i), -1 for children of the newest confirmed token; None = a chain.
+    # Siblings are tried in node order (decode/tree.py); `accepted(n, ...)` then counts the accepted path's nodes.
+    parents: torch.Tensor | None = None
 
     @classmethod
     def empty(cls) -> "Draft":

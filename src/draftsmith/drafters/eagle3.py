@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from safetensors.torch import save_file
 from torch import nn
 
+from draftsmith.decode.tree import TreeShape
 from draftsmith.drafters.base import Draft
 from draftsmith.drafters.budget import DraftBudget
 from draftsmith.errors import ConfigError, DraftsmithError
@@ -156,6 +157,8 @@ class KVCache:
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None  # (B, kv_heads, S, head_dim), RoPE applied
         self.v: torch.Tensor | None = None
+        # Tree drafting sets the (new, total) bool visibility of the next call's queries (its tree mask); None: causal.
+        self.visible: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
@@ -165,6 +168,9 @@ class KVCache:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         new, total = q.shape[2], self.k.shape[2]
+        if self.visible is not None:
+            mask, self.visible = self.visible.to(q.device), None
+            return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=True)
         if new == 1 and (window is None or window >= total):  # a draft step: the one query sees the whole cache
             return F.scaled_dot_product_attention(q, self.k, self.v, enable_gqa=True)
         # The i-th new query sits at cache index past + i and sees everything up to and including itself (within
@@ -418,11 +424,20 @@ class Eagle3Drafter:
     off again, because once the target confirms them they are recomputed from the target's real features.
     """
 
-    def __init__(self, model: Eagle3Model, name: str = "eagle3", budget: DraftBudget | None = None) -> None:
+    def __init__(
+        self,
+        model: Eagle3Model,
+        name: str = "eagle3",
+        budget: DraftBudget | None = None,
+        tree: TreeShape | None = None,
+    ) -> None:
         self.name = name
         self.model = model.eval()
         pack_linears(model)  # its steps are memory-bound one-row forwards, like the target's
         self.budget = budget or DraftBudget.fixed()
+        if tree is not None:
+            tree.check_vocab(model.config.draft_vocab_size)
+        self.tree = tree  # draft EAGLE-2 trees of this shape (the budget then stays out of it); None: chains
         self.last_chain: tuple[int, list[int], list[float]] | None = None  # (start, tokens, confidences) to score
         self.aux_layer_ids: tuple[int, ...] = tuple(model.config.aux_layer_ids)
         self.draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=model.d2t.device))
@@ -470,6 +485,9 @@ class Eagle3Drafter:
             out = model.forward_hidden(embeds, self.fused[None, self.context : ready], positions, self.cache)
             self.hidden, self.context = out[:, -1:], ready
             self.logits = model.draft_logits(self.hidden)[0, -1]  # only the last position drafts
+        if self.tree is not None:
+            tokens, parents, _ = self.grow_tree(max_tokens)
+            return Draft(tokens, parents=parents)
         self._score_last_chain(tokens)
         hidden, logits = self.hidden, self.logits
         drafted, dists, reach, confidences = [], [], [1.0], []
@@ -495,6 +513,59 @@ class Eagle3Drafter:
             return Draft.empty()
         probs = torch.stack(dists).cpu() if temperature > 0 else None
         return Draft(torch.stack(drafted).cpu(), probs)
+
+    @torch.inference_mode()
+    def grow_tree(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """EAGLE-2's dynamic tree from the last context position: (target token ids, parents, cumulative draft
+        log-probabilities) of its nodes, in topological order, siblings best first.
+
+        The root's top-k children form the first frontier; then `depth - 1` times the frontier runs in one forward
+        under the tree mask (each node sees the context, its ancestors and itself), each of its nodes gets its top-k
+        children, and the top-k of those by cumulative log-probability become the next frontier. The best `total`
+        nodes of all levels are kept: scores only fall along a path, so every kept node's ancestors are kept too.
+        Children are deterministic picks (point masses), which sampling verification handles by removing each
+        rejected one from the target's distribution (decode/tree.py)."""
+        model, shape = self.model, self.tree
+        depth, total = min(shape.depth, max_tokens), min(shape.total, max_tokens)
+        scores, ids = torch.log_softmax(self.logits.float(), -1).topk(min(shape.topk, total))
+        node_scores, node_ids, parents = [scores], [ids], [torch.full_like(ids, -1)]
+        slots = [-1] * len(ids)  # drafter cache index of each node run so far (-1: not run)
+        frontier = torch.arange(len(ids), device=ids.device)
+        frontier_hidden = self.hidden.expand(1, len(ids), -1)
+        for level in range(1, depth):
+            flat_parents = torch.cat(parents).tolist()
+            first = len(self.cache)
+            visible = torch.zeros(len(frontier), first + len(frontier), dtype=torch.bool)
+            visible[:, : self.context] = True
+            if model.config.sliding_window is not None:
+                visible[:, : max(0, self.context + level - model.config.sliding_window)] = False
+            for row, node in enumerate(frontier.tolist()):
+                slots[node] = first + row
+                while node >= 0:
+                    visible[row, slots[node]] = True
+                    node = flat_parents[node]
+            self.cache.visible = visible
+            embeds = model.embed_tokens(self.draft_ids[torch.cat(node_ids)[frontier]])[None]
+            positions = torch.full((len(frontier),), self.context + level - 1, device=self.device)
+            out, logits = model(embeds, frontier_hidden, positions, self.cache)
+            logp = torch.log_softmax(logits[0].float(), -1)
+            child_scores, child_ids = (torch.cat(node_scores)[frontier, None] + logp).topk(shape.topk, dim=-1)
+            base = sum(len(x) for x in node_ids)
+            node_scores.append(child_scores.flatten())
+            node_ids.append(child_ids.flatten())
+            parents.append(frontier.repeat_interleave(shape.topk))
+            slots += [-1] * child_ids.numel()
+            best = child_scores.flatten().topk(min(shape.topk, child_ids.numel())).indices
+            frontier = base + best
+            frontier_hidden = out[:, best // shape.topk]
+        all_scores = torch.cat(node_scores)
+        listed = all_scores.tolist()
+        keep = sorted(sorted(range(len(listed)), key=lambda i: (-listed[i], i))[:total])
+        new_index = {old: new for new, old in enumerate(keep)}
+        flat_parents = torch.cat(parents).tolist()
+        tree_parents = torch.tensor([new_index.get(flat_parents[i], -1) for i in keep], dtype=torch.long)
+        tokens = self.draft_ids[torch.cat(node_ids)[keep]].cpu()
+        return tokens, tree_parents, all_scores[keep].cpu()
 
     def _score_last_chain(self, tokens: torch.Tensor) -> None:
         """Calibrate the budget: how far the last chain, proposed or not, matched what the target then wrote."""

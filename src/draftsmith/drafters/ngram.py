@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.decode.tree import TreeShape
 from draftsmith.drafters.base import Draft
 from draftsmith.drafters.budget import DraftBudget
 
@@ -54,10 +55,12 @@ class NgramDrafter:
         break_even: float = DraftBudget.verify_cost - 1,
         prior_weight: float = 2.0,
         decay: float = 0.95,
+        tree: TreeShape | None = None,
     ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.name = f"ngram[{min_ngram}-{max_ngram}]"
+        self.tree = tree  # propose up to `topk` continuations of up to `depth` tokens merged into one tree
         self.min_ngram, self.max_ngram, self.break_even, self.decay = min_ngram, max_ngram, break_even, decay
         self.yields = {n: _Yield(prior_weight, prior_weight * break_even) for n in range(min_ngram, max_ngram + 1)}
         self._open: list[_Lookup] = []  # lookups whose outcome the generated text has not settled yet
@@ -74,7 +77,39 @@ class NgramDrafter:
         self._open.append(_Lookup(n, len(tokens), continuation.tolist()))
         if self.yields[n].mean < self.break_even:
             return Draft.empty()
+        if self.tree is not None:
+            return self._tree(tokens, max_tokens)
         return Draft(continuation)
+
+    def _tree(self, tokens: torch.Tensor, max_tokens: int) -> Draft:
+        """The continuations after the `topk` latest occurrences of the longest matching suffixes (longest match
+        first, then shorter ones), merged into a trie: shared prefixes are verified once, and the siblings are tried
+        in that order. At most `total` nodes, `depth` deep."""
+        shape = self.tree
+        depth, total = min(shape.depth, max_tokens), min(shape.total, max_tokens)
+        length = len(tokens)
+        ids: list[int] = []
+        parents: list[int] = []
+        child: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        starts: list[int] = []  # where each merged continuation starts; a shorter match there adds nothing new
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            windows = tokens[: length - 1].unfold(0, n, 1)
+            for hit in reversed((windows == tokens[length - n :]).all(dim=1).nonzero().flatten().tolist()):
+                if len(starts) == shape.topk or len(ids) == total:
+                    break
+                if hit + n in starts:
+                    continue
+                starts.append(hit + n)
+                at = -1
+                for token in tokens[hit + n : hit + n + depth].tolist():
+                    if (at, token) not in child:
+                        if len(ids) == total:
+                            break
+                        child[(at, token)] = len(ids)
+                        ids.append(token)
+                        parents.append(at)
+                    at = child[(at, token)]
+        return Draft(torch.tensor(ids, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
 
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:
         pass  # outcomes are read from the generated text in `_settle`, for silent lookups too

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.drafters import Drafter, builtin_drafter, dflash
+from draftsmith.decode.tree import TreeShape
+from draftsmith.drafters import Drafter, builtin_drafter, dflash, with_tree
 from draftsmith.drafters.budget import DraftBudget, measured_budget
 from draftsmith.drafters.eagle3 import (
     FROZEN,
@@ -174,16 +175,22 @@ def trained_depth(path: str | Path) -> int | None:
     return int(depth) if depth else None
 
 
-def build_drafter(spec: str, target: Target, dtype: str = "float32", draft_length: str = "adaptive") -> Drafter:
+def build_drafter(
+    spec: str, target: Target, dtype: str = "float32", draft_length: str = "adaptive", tree: TreeShape | None = None
+) -> Drafter:
     """A `--drafter` string: a drafter directory (an EAGLE-3 or DFlash checkpoint or training run, or a speculators /
     SGLang / EAGLE / z-lab export, converted on load; `dflash:DIR` says which) or a built-in drafter
     (`builtin_drafter`). EAGLE-3 chains are cut where the next token stops paying for itself
-    (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed")."""
+    (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed"). With a `tree`
+    shape, EAGLE-3 and n-gram drafters propose trees of that shape instead (a top-k of 1: a fixed chain)."""
+    if not spec.startswith("dflash:") and not Path(spec).is_dir():
+        return builtin_drafter(spec, target, dtype=dtype, tree=tree)
     if spec.startswith("dflash:"):
-        return load_dflash(spec.removeprefix("dflash:"), target)
-    if not Path(spec).is_dir():
-        return builtin_drafter(spec, target, dtype=dtype)
-    drafter = load_drafter(spec, target, budget=DraftBudget.fixed())
+        drafter = load_dflash(spec.removeprefix("dflash:"), target)
+    else:
+        drafter = load_drafter(spec, target, budget=DraftBudget.fixed())
+    if tree is not None:
+        return with_tree(drafter, tree)
     if draft_length == "adaptive" and isinstance(drafter, Eagle3Drafter):
         drafter.budget = measured_budget(target, drafter.step_probe())
     return drafter

@@ -42,6 +42,7 @@ class ServeConfig(StageConfig):
     dtype: str = "float32"
     drafter: str = "ngram"
     num_draft_tokens: int = Field(default=7, ge=1, le=64)
+    tree: str | None = None  # draft trees: "depth=D,topk=K,total=N", "auto" (a short tune first), or a tune.json
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     model_name: str | None = None
@@ -80,6 +81,7 @@ def serve(cfg: ServeConfig) -> None:
     from draftsmith.serve.metrics import ServerMetrics
     from draftsmith.serve.scheduler import Scheduler
     from draftsmith.target import load_target
+    from draftsmith.tune import resolve_tree
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -93,12 +95,14 @@ def serve(cfg: ServeConfig) -> None:
         )
 
     target = load_target(cfg.target, dtype=cfg.dtype)
-    drafter = build_drafter(cfg.drafter, target, dtype=cfg.dtype)
+    shape = resolve_tree(cfg.tree, target, cfg.drafter, cfg.dtype)
+    drafter = build_drafter(cfg.drafter, target, dtype=cfg.dtype, tree=shape)
+    draft_tokens = cfg.num_draft_tokens if shape is None else shape.total
     model_name = cfg.model_name or public_name(cfg.target)
     metrics = ServerMetrics(
-        cfg.num_draft_tokens, target=public_name(cfg.target), drafter=public_name(drafter.name), model=model_name
+        draft_tokens, target=public_name(cfg.target), drafter=public_name(drafter.name), model=model_name
     )
-    scheduler = Scheduler(target, drafter, metrics, cfg.num_draft_tokens, cfg.max_active, cfg.max_queue)
+    scheduler = Scheduler(target, drafter, metrics, draft_tokens, cfg.max_active, cfg.max_queue)
     warm_up(scheduler)
 
     def ready() -> None:
