@@ -114,9 +114,10 @@ def test_gguf_export_serves_losslessly_with_draftsmith_acceptance(llamacpp, tiny
     card = (out / "README.md").read_text()
     assert "--spec-type draft-eagle3" in card and str(out / "target-f32.gguf") in card
     ids = prompts(target)
-    with LlamaServer(llamacpp, out / "target-f32.gguf") as plain:
+    with LlamaServer(llamacpp, out / "target-f32.gguf", ctx_size=512) as plain:
         base = [plain.complete(p, 24) for p in ids]
-    with LlamaServer(llamacpp, out / "target-f32.gguf", Draft(out / "drafter.gguf", 3, n_min=3, p_min=0.0)) as spec:
+    draft = Draft(out / "drafter.gguf", 3, n_min=3, p_min=0.0)
+    with LlamaServer(llamacpp, out / "target-f32.gguf", draft, ctx_size=512) as spec:
         runs = [spec.complete(p, 24) for p in ids]
         metrics = spec.metrics()
     assert all(len(b.tokens) > 0 for b in base)
@@ -153,3 +154,39 @@ def test_smollm2_with_a_drafter_is_lossless_in_llama_server(llamacpp, smollm2, t
         runs = [spec.complete(p, 32) for p in ids]
     assert [r.tokens for r in runs] == [b.tokens for b in base]
     assert all(r.timings.get("draft_n", 0) > 0 for r in runs)
+
+
+def test_doctor_reports_acceptance_per_served_precision(llamacpp, tiny, tmp_path):
+    from draftsmith.engines.llamacpp_eval import precision_checks
+
+    target, _, drafter = tiny
+    checks = precision_checks(drafter, target, prompts(target), ["q8_0"], "f32", 16, 3, tmp_path)
+    assert [c.name for c in checks] == ["llama.cpp f32", "llama.cpp q8_0"]
+    assert all(c.status in ("PASS", "WARN") and "τ" in c.detail for c in checks)
+
+
+def test_report_counts_tau_acceptance_and_first_difference():
+    from draftsmith.config import EvalConfig
+    from draftsmith.data.sources import Conversation
+    from draftsmith.engines.llama_server import Completion
+    from draftsmith.engines.llamacpp_eval import Served, summarise
+    from tests.conftest import tiny_target
+
+    target = tiny_target(0)
+    convs = [Conversation(f"p{i}", [{"role": "user", "content": "t5 t6"}], kind="k") for i in range(2)]
+    encoded = [[3, 4, 5], [6, 7]]
+    base = [Completion([10, 11, 12, 13], 1.0), Completion([20, 21, 22], 1.0)]
+    spec = [
+        Completion([10, 11, 12, 13], 0.5, {"draft_n": 6, "draft_n_accepted": 2}),
+        Completion([20, 29, 22], 0.5, {"draft_n": 3, "draft_n_accepted": 0}),
+    ]
+    counters = {"spec_decode_num_drafts_total": 3, "accepted_per_pos": [2, 0]}
+    cfg = EvalConfig(num_draft_tokens=2, max_new_tokens=4)
+    report = summarise(target, "d", convs, encoded, cfg, Served(base, {}), Served(spec, counters))
+    assert report["acceptance_length"] == 7 / (2 + 3)  # 7 tokens, 5 forwards (4 - 2 accepted, 3 - 0)
+    assert report["acceptance_by_position"] == [2 / 3, 0.0]
+    assert report["draft_acceptance_rate"] == 2 / 9
+    assert report["speedup"] == 2.0 and report["mismatches"] == 1
+    differing = report["per_prompt"][1]
+    assert differing["first_difference"] == 1 and differing["spec_token"] == 29 and differing["top2_logit_gap"] >= 0
+    assert "first_difference" not in report["per_prompt"][0]

@@ -201,7 +201,11 @@ FIXED_ROWS = [
 
 def summary_rows(report: dict) -> list[tuple[str, str]]:
     rows = SUMMARY_ROWS + (FIXED_ROWS if "acceptance_length_fixed" in report else [])
-    return [(label, fmt.format(report[key])) for label, key, fmt in rows]
+    engine = report.get("engine")  # another engine's baseline is that engine without the drafter
+    return [
+        (label.replace("model.generate", f"plain {engine}") if engine else label, fmt.format(report[key]))
+        for label, key, fmt in rows
+    ]
 
 
 def render_markdown(report: dict) -> str:
