@@ -41,12 +41,21 @@ def llamacpp():
         pytest.fail(f"llama-server cannot be built, so the llama.cpp tests cannot run: {exc}")
 
 
-def logit_lens_drafter(target: Target, directory: Path) -> Path:
-    """An untrained EAGLE-3 drafter that starts as the target's logit lens on its deepest aux layer: it gets drafts
-    accepted without training, so acceptance (not only losslessness) is compared across engines."""
-    d2t = torch.zeros(DRAFT_VOCAB, dtype=torch.long)  # draft vocabulary = the first DRAFT_VOCAB target ids
+@pytest.fixture
+def private_cache(llamacpp, tmp_path, monkeypatch):
+    """GGUFs of test targets go to a temporary cache, not the user's; llama.cpp stays where it was built."""
+    monkeypatch.setenv("DRAFTSMITH_LLAMACPP_DIR", str(llamacpp.root.parent))
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+
+
+def logit_lens_drafter(target: Target, directory: Path, must_have: list[int] = ()) -> Path:
+    """An untrained EAGLE-3 drafter that starts as the target's logit lens on its deepest aux layer, i.e. it drafts
+    the token the target just produced again; its draft vocabulary holds `must_have` and the lowest other ids."""
+    ids = sorted(set(must_have))[:DRAFT_VOCAB]
+    ids = sorted(ids + [i for i in range(DRAFT_VOCAB + len(ids)) if i not in set(ids)][: DRAFT_VOCAB - len(ids)])
+    d2t = torch.tensor(ids) - torch.arange(DRAFT_VOCAB)  # target id = draft id + d2t[draft id]
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
-    t2d[:DRAFT_VOCAB] = True
+    t2d[ids] = True
     config = Eagle3Config.from_target(target, DRAFT_VOCAB, LAYERS, fingerprint="test")
     torch.manual_seed(0)
     model = Eagle3Model.from_weights(
@@ -62,23 +71,34 @@ def logit_lens_drafter(target: Target, directory: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """A 4-layer random Llama with SmolLM2's tokenizer (llama.cpp's converter needs a real BPE tokenizer) whose
-    greedy path stays in the first DRAFT_VOCAB ids, saved as an HF directory, and a drafter for it."""
+    """A 4-layer random Llama with SmolLM2's tokenizer (llama.cpp's converter needs a real BPE tokenizer), saved as an
+    HF directory, and a logit-lens drafter for it. Its layers barely change the residual and its head is its
+    embeddings, so its greedy text repeats tokens in runs, which the drafter (drafting a repeat) gets accepted; the
+    tokens of those runs are in its draft vocabulary, with a non-trivial d2t."""
     root = tmp_path_factory.mktemp("llamacpp")
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir("smollm2-135m"))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.3, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # fmt: skip
+                         initializer_range=0.3, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)  # fmt: skip
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        model.lm_head.weight[DRAFT_VOCAB:] *= 0.1  # most of the mass on ids the draft vocabulary has
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.05)
+            layer.mlp.down_proj.weight.mul_(0.05)
     model.generation_config.eos_token_id = 2
     model_dir = root / "target"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     target = load_target(str(model_dir), packed=False)
-    return target, model_dir, logit_lens_drafter(target, root / "drafter")
+    seen = []
+    for ids in prompts(target):
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+        seen += out[0].tolist()
+    return target, model_dir, logit_lens_drafter(target, root / "drafter", seen)
+
+
+NEW_TOKENS = 24
 
 
 def prompts(target: Target) -> list[list[int]]:
@@ -108,17 +128,17 @@ def test_card_command_uses_llama_cpp_flags():
         assert flag in command
 
 
-def test_gguf_export_serves_losslessly_with_draftsmith_acceptance(llamacpp, tiny, tmp_path):
+def test_gguf_export_serves_losslessly_with_draftsmith_acceptance(llamacpp, tiny, tmp_path, private_cache):
     target, model_dir, drafter = tiny
     out = export_gguf(drafter, tmp_path / "gguf", target=str(model_dir), target_type="f32", speculative_tokens=3)
     card = (out / "README.md").read_text()
     assert "--spec-type draft-eagle3" in card and str(out / "target-f32.gguf") in card
     ids = prompts(target)
     with LlamaServer(llamacpp, out / "target-f32.gguf", ctx_size=512) as plain:
-        base = [plain.complete(p, 24) for p in ids]
+        base = [plain.complete(p, NEW_TOKENS) for p in ids]
     draft = Draft(out / "drafter.gguf", 3, n_min=3, p_min=0.0)
     with LlamaServer(llamacpp, out / "target-f32.gguf", draft, ctx_size=512) as spec:
-        runs = [spec.complete(p, 24) for p in ids]
+        runs = [spec.complete(p, NEW_TOKENS) for p in ids]
         metrics = spec.metrics()
     assert all(len(b.tokens) > 0 for b in base)
     assert [r.tokens for r in runs] == [b.tokens for b in base]  # lossless at T=0
@@ -127,10 +147,10 @@ def test_gguf_export_serves_losslessly_with_draftsmith_acceptance(llamacpp, tiny
     # llama.cpp's τ vs draftsmith's engine on the same drafter, prompts and chain (both float32)
     tau_cpp = sum(len(r.tokens) for r in runs) / sum(len(r.tokens) - r.timings["draft_n_accepted"] for r in runs)
     decoder = SpeculativeDecoder(target, load_drafter(str(drafter), target), 3)
-    ours = [decoder.generate(p, 24) for p in ids]
+    ours = [decoder.generate(p, NEW_TOKENS) for p in ids]
     assert [g.tokens for g in ours] == [b.tokens for b in base]  # llama.cpp's f32 target agrees with ours
     tau_ours = sum(len(g.tokens) for g in ours) / sum(g.target_forwards for g in ours)
-    assert tau_ours > 1.2, "the logit-lens drafter should get drafts accepted"
+    assert tau_ours > 1.2, "the logit-lens drafter should get the target's repeats accepted"
     assert abs(tau_cpp - tau_ours) <= 0.1 * tau_ours, (tau_cpp, tau_ours)
 
 
@@ -156,7 +176,7 @@ def test_smollm2_with_a_drafter_is_lossless_in_llama_server(llamacpp, smollm2, t
     assert all(r.timings.get("draft_n", 0) > 0 for r in runs)
 
 
-def test_doctor_reports_acceptance_per_served_precision(llamacpp, tiny, tmp_path):
+def test_doctor_reports_acceptance_per_served_precision(llamacpp, tiny, tmp_path, private_cache):
     from draftsmith.engines.llamacpp_eval import precision_checks
 
     target, _, drafter = tiny
