@@ -134,7 +134,9 @@ def _gguf_files(prov: dict[str, Any]) -> list[str]:
     return [
         f"- `drafter.gguf`: the drafter ({prov.get('gguf_drafter_type')}), converted by llama.cpp's "
         "`convert_hf_to_gguf.py speculators --target-model-dir TARGET` (arch `eagle3`; `d2t` as absolute target ids)",
-        f"- `target-{target}.gguf`: the target at the precision served" if target else "- no target GGUF exported",
+        f"- `target-{target}.gguf`: the target at the precision served"
+        if target
+        else "- no target GGUF here: `draftsmith export --format gguf --gguf-target f32` writes one (TARGET.gguf)",
         "- `speculators/`: the speculators export the drafter GGUF was converted from (`draftsmith doctor` reads it)",
         "- `*.convert.log`: the converter's output",
     ]
