@@ -251,9 +251,12 @@ def precision_checks(
             checks.append(Check(f"llama.cpp {kind}", "PASS", f"{line}; the precision the store was extracted at"))
         elif ref_rate > 0 and rate < (1 - MAX_PRECISION_DROP) * ref_rate:
             drop = 1 - rate / ref_rate
-            checks.append(Check(f"llama.cpp {kind}", "WARN", f"{line}: {drop:.0%} below {reference} ({ref_rate:.3f}); "
-                                "the drafter learned features this precision does not reproduce: extract the store "
-                                f"from the {kind} target, or serve {reference}"))  # fmt: skip
+            cause = (
+                f"{drop:.0%} below {reference} ({ref_rate:.3f}); the target's hidden states differ there from those "
+                "the drafter learned (quantised weights or kernels): train on features of the target as served, or "
+                f"serve {reference}"
+            )
+            checks.append(Check(f"llama.cpp {kind}", "WARN", f"{line}: {cause}"))
         else:
             checks.append(Check(f"llama.cpp {kind}", "PASS", f"{line}; within 10 % of {reference} ({ref_rate:.3f})"))
     return checks

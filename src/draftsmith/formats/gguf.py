@@ -69,7 +69,7 @@ def export_gguf(
         served = _link(target_gguf(target, target_type, lc), out / f"target-{target_type}.gguf")
     cfg = json.loads((spec_dir / CONFIG_FILE).read_text())
     prov = cfg[PROVENANCE_KEY] | {"format": "gguf", "gguf_drafter_type": drafter_type, "gguf_target_type": target_type}
-    card = render_card("gguf", config, prov, cfg, str(served or "TARGET.gguf"), out.resolve())
+    card = render_card("gguf", config, prov, cfg, str(served.resolve() if served else "TARGET.gguf"), out.resolve())
     (out / CARD_FILE).write_text(card)
     return out
 
