@@ -206,7 +206,21 @@ def test_report_counts_tau_acceptance_and_first_difference():
     assert report["acceptance_length"] == 7 / (2 + 3)  # 7 tokens, 5 forwards (4 - 2 accepted, 3 - 0)
     assert report["acceptance_by_position"] == [2 / 3, 0.0]
     assert report["draft_acceptance_rate"] == 2 / 9
+    assert report["engine_mean_length"] == 1 + 2 / 3
     assert report["speedup"] == 2.0 and report["mismatches"] == 1
     differing = report["per_prompt"][1]
     assert differing["first_difference"] == 1 and differing["spec_token"] == 29 and differing["top2_logit_gap"] >= 0
     assert "first_difference" not in report["per_prompt"][0]
+
+
+def test_target_ggufs_are_named_or_refused(tmp_path):
+    from draftsmith.errors import ConfigError
+    from draftsmith.formats.gguf import served_target, target_gguf
+
+    with pytest.raises(ConfigError, match="not built in"):
+        target_gguf(str(tmp_path), "q4_1")
+    with pytest.raises(ConfigError, match="unknown target GGUF type"):
+        target_gguf("smollm2-135m", "q2_k")
+    with pytest.raises(ConfigError, match="does not exist"):
+        served_target("smollm2-135m", str(tmp_path / "missing.gguf"))
+    assert served_target("smollm2-135m", "q4_1").name.endswith("Q4_1.gguf")

@@ -153,6 +153,7 @@ def summarise(
         "acceptance_by_position": [a / rounds if rounds else 0.0 for a in per_pos],
         "drafts_by_position": [rounds] * k,  # llama.cpp counts verify rounds, not drafts per position
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "engine_mean_length": 1 + accepted / rounds if rounds else 1.0,  # llama.cpp's own "mean len" (per round)
         "spec_tokens_per_s": spec_tps,
         "baseline_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps,
