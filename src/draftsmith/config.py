@@ -42,3 +42,6 @@ class EvalConfig(StageConfig):
     compare_limit: int | None = Field(default=None, ge=1)  # ... on the first N prompts only
     seed: int = 0
     out: Path = Path("runs/eval")
+    engine: Literal["draftsmith", "llama.cpp"] = "draftsmith"  # whose decoding loop runs the drafter
+    gguf_target: str = "f32"  # llama.cpp: the target as served: f32 | bf16 | q8_0 | q4_1 | a .gguf file
+    threads: int = Field(default=2, ge=1)  # llama.cpp: threads of each llama-server

@@ -220,7 +220,11 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
     if "acceptance_length_fixed" in report:
         rows += FIXED_ROWS
     rows += [(label, key, fmt) for label, key, fmt in PREDICTED_ROWS if key in report]
-    return [(label, fmt.format(report[key])) for label, key, fmt in rows]
+    engine = report.get("engine")  # another engine's baseline is that engine without the drafter
+    return [
+        (label.replace("model.generate", f"plain {engine}") if engine else label, fmt.format(report[key]))
+        for label, key, fmt in rows
+    ]
 
 
 def render_markdown(report: dict) -> str:

@@ -199,6 +199,8 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
 
     claim_dir(cfg.out, "eval")
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
+    if cfg.engine == "llama.cpp":
+        return [_evaluate_llamacpp(cfg, target, dataset, prompts)]
     specs = [cfg.drafter, *cfg.compare]
     for spec in specs:
         depth = trained_depth(spec) if Path(spec).is_dir() else None
@@ -292,6 +294,27 @@ def tune(cfg: TuneConfig, target: Target) -> dict:
             report["best"], "<the drafter exported for that engine>", verifier_name(cfg.target)
         )
     write_tune(report, cfg.out)
+    return report
+
+
+def _evaluate_llamacpp(cfg: EvalConfig, target: Target, dataset: str, prompts: list) -> dict:
+    """The drafter (a run, checkpoint, GGUF export or .gguf) inside llama-server, against the plain llama-server."""
+    from draftsmith.engines.llamacpp import installed
+    from draftsmith.engines.llamacpp_eval import evaluate_llamacpp
+    from draftsmith.evaluate import write_report
+    from draftsmith.formats.gguf import drafter_gguf, served_target
+
+    if cfg.compare or cfg.temperature != 0:
+        raise ConfigError(
+            "--engine llama.cpp measures one drafter at T=0 (against the plain llama-server)",
+            hint="drop --compare and --temperature",
+        )
+    lc = installed()
+    drafter = drafter_gguf(cfg.drafter, cfg.out / "gguf", target.name)
+    report = evaluate_llamacpp(lc, target, served_target(target.name, cfg.gguf_target), drafter, dataset, prompts,
+                               cfg, threads=cfg.threads, logs=cfg.out / "logs")  # fmt: skip
+    report["drafter_checkpoint"] = cfg.drafter
+    write_report(report, cfg.out)
     return report
 
 

