@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         target = args.target or str(tiny_model(Path(tmp) / "model"))
         serve_args = ["--target", target, "--drafter", "ngram", "--threads", "1", "--max-active", "4",
-                      "--max-queue", "8", "--model-name", "fuzz"]  # fmt: skip
+                      "--max-queue", "8", "--model-name", "fuzz",
+                      "--refusal-hold", "0"]  # fmt: skip  # its bad requests would otherwise be answered slowly
         with ServerProcess(serve_args, log=Path(tmp) / "server.log", env={"OMP_NUM_THREADS": "1"}) as server:
             gen, problems, statuses = Generator(args.seed, "fuzz"), [], Counter()
             asyncio.run(fuzz(server.url, gen, WARM_UP, args.concurrency, problems, statuses))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -59,19 +60,24 @@ async def victim(url: str, n: int, max_tokens: int) -> list[float]:
     return gaps
 
 
-async def hostile(url: str, stop: list[str], max_tokens: int, until: asyncio.Event, counts: dict) -> None:
-    body = json.dumps({"model": "target", "messages": [{"role": "user", "content": "Tell me a long story."}],
-                       "max_tokens": max_tokens, "temperature": 0, "stop": stop}).encode()  # fmt: skip
+async def hostile(url: str, stops: list[list[str]], max_tokens: int, until: asyncio.Event, counts: dict) -> None:
+    """Requests one after another, as fast as they are answered, taking each stop-string set in turn."""
+    ask = [{"role": "user", "content": "Tell me a long story."}]
+    request = {"model": "target", "messages": ask, "max_tokens": max_tokens, "temperature": 0}
+    bodies = [json.dumps(request | {"stop": stop}).encode() for stop in stops]
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        while not until.is_set():
-            r = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        for i in itertools.count():
+            if until.is_set():
+                return
+            r = await client.post("/v1/chat/completions", content=bodies[i % len(bodies)],
+                                  headers={"content-type": "application/json"})  # fmt: skip
             counts[r.status_code] = counts.get(r.status_code, 0) + 1
 
 
 async def round_b(url: str, args, stops: list[list[str]], counts: dict) -> list[float]:
     until = asyncio.Event()
-    attackers = [asyncio.create_task(hostile(url, stops[i % len(stops)], args.max_tokens, until, counts))
-                 for i in range(args.hostile_clients)]  # fmt: skip
+    attackers = [asyncio.create_task(hostile(url, stops, args.max_tokens, until, counts))
+                 for _ in range(args.hostile_clients)]  # fmt: skip
     await asyncio.sleep(0.5)  # the attack is under way before the victim starts
     try:
         return await victim(url, args.victim_requests, args.max_tokens)

@@ -227,3 +227,32 @@ def test_target_ggufs_are_named_or_refused(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         served_target("smollm2-135m", str(tmp_path / "missing.gguf"))
     assert served_target("smollm2-135m", "q4_1").name.endswith("Q4_1.gguf")
+
+
+def test_dflash_gguf_export_serves_losslessly(llamacpp, tiny, tmp_path, private_cache):
+    """A DFlash drafter goes through z-lab's layout and llama.cpp's converter, and llama-server drafts with it
+    (`--spec-type draft-dflash`, taken from the GGUF's architecture) without changing the output."""
+    from draftsmith.drafters.dflash import DFlashConfig, DFlashModel
+    from draftsmith.drafters.dflash import save_checkpoint as save_dflash
+    from draftsmith.engines.llamacpp_eval import draft_for
+    from draftsmith.formats.gguf import architecture
+
+    target, model_dir, _ = tiny
+    torch.manual_seed(0)
+    model = DFlashModel(DFlashConfig.from_target(target, 1, (1, 2, 3), block_size=4, fingerprint="test"))
+    drafter = save_dflash(model.attach_target(target), tmp_path / "dflash")
+    out = export_gguf(drafter, tmp_path / "gguf", target=str(model_dir), target_type="f32")
+    assert architecture(out / "drafter.gguf") == "dflash"
+    card = (out / "README.md").read_text()
+    assert "--spec-type draft-dflash --spec-draft-n-max 3" in card and "target_layer_ids` = [0, 1, 2]" in card
+    from draftsmith.config import EvalConfig
+
+    draft = draft_for(out / "drafter.gguf", EvalConfig(num_draft_tokens=3, draft_length="fixed"))
+    assert draft.spec_type == "draft-dflash"
+    ids = prompts(target)
+    with LlamaServer(llamacpp, out / "target-f32.gguf", ctx_size=512) as plain:
+        base = [plain.complete(p, NEW_TOKENS) for p in ids]
+    with LlamaServer(llamacpp, out / "target-f32.gguf", draft, ctx_size=512) as spec:
+        runs = [spec.complete(p, NEW_TOKENS) for p in ids]
+    assert [r.tokens for r in runs] == [b.tokens for b in base]
+    assert all(r.timings.get("draft_n", 0) > 0 for r in runs)

@@ -49,7 +49,8 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir):
     args = ["--target", str(model_dir), "--drafter", "ngram", "--num-draft-tokens", "4", "--threads", "1",
-            "--max-active", str(SLOTS), "--max-queue", str(QUEUE), "--model-name", "tiny"]  # fmt: skip
+            "--max-active", str(SLOTS), "--max-queue", str(QUEUE), "--model-name", "tiny",
+            "--refusal-hold", "0"]  # fmt: skip  # these tests send many bad requests on purpose
     with ServerProcess(args, log=model_dir.parent / "server.log", env={"OMP_NUM_THREADS": "1"}) as proc:
         yield proc
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it: -15 is its normal exit code.

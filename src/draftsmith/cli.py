@@ -368,6 +368,10 @@ def serve(
         str | None, typer.Option(envvar="DRAFTSMITH_API_KEY", help="require `Authorization: Bearer KEY` on /v1")
     ] = None,
     max_connections: Annotated[int, typer.Option(help="open connections; beyond it the server answers 503")] = 256,
+    refusal_hold: Annotated[
+        float,
+        typer.Option(help="most seconds a client's 4xx answers are held once it keeps sending bad requests; 0: off"),
+    ] = 1.0,
 ) -> None:
     """An OpenAI-compatible HTTP server (completions, chat, streaming) that decodes speculatively."""
     options = dict(locals())

@@ -28,8 +28,8 @@ _METRIC = re.compile(r'^llamacpp:(\w+)(?:\{position="(\d+)"\})?\s+(\S+)$')
 
 @dataclass(frozen=True)
 class Draft:
-    """The EAGLE-3 drafter a server runs beside its target; `n_min == n_max` and `p_min 0` draft a fixed chain,
-    None leaves llama.cpp's default."""
+    """The drafter (EAGLE-3 or DFlash: `spec_type`) a server runs beside its target; `n_min == n_max` and `p_min 0`
+    draft a fixed chain, None leaves llama.cpp's default."""
 
     model: Path
     n_max: int = 3

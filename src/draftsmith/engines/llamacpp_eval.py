@@ -40,10 +40,13 @@ class Served:
 
 def draft_for(drafter_gguf: Path, cfg: EvalConfig) -> Draft:
     """A fixed chain (`--draft-length fixed`: always n_max drafts, as `draftsmith eval`'s fixed chain), or llama.cpp's
-    own stopping rules (`adaptive`: its default n_min and p_min)."""
+    own stopping rules (`adaptive`: its default n_min and p_min). The GGUF's architecture says EAGLE-3 or DFlash."""
+    from draftsmith.formats.gguf import architecture
+
+    spec_type = f"draft-{architecture(drafter_gguf)}"
     if cfg.draft_length == "fixed":
-        return Draft(drafter_gguf, cfg.num_draft_tokens, n_min=cfg.num_draft_tokens, p_min=0.0)
-    return Draft(drafter_gguf, cfg.num_draft_tokens)
+        return Draft(drafter_gguf, cfg.num_draft_tokens, n_min=cfg.num_draft_tokens, p_min=0.0, spec_type=spec_type)
+    return Draft(drafter_gguf, cfg.num_draft_tokens, spec_type=spec_type)
 
 
 def evaluate_llamacpp(

@@ -16,11 +16,12 @@ from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.formats.common import CONVENTION, SGLANG_CONVENTION, SGLANG_RULE
 
 
-def llama_server_command(target_gguf: str, drafter_gguf: str, k: int, threads: int = 2) -> str:
-    """The `llama-server` command that serves an EAGLE-3 drafter GGUF beside its target (flags of llama.cpp
-    11434's common/arg.cpp); `--spec-draft-p-min 0` drafts the full chain, as the drafter was measured."""
+def llama_server_command(target_gguf: str, drafter_gguf: str, k: int, threads: int = 2, algo: str = "eagle3") -> str:
+    """The `llama-server` command that serves a drafter GGUF (EAGLE-3, or DFlash with k = block size - 1) beside
+    its target (flags of llama.cpp 11434's common/arg.cpp); `--spec-draft-p-min 0` drafts the full chain or block,
+    as the drafter was measured."""
     return (
-        f"llama-server -m {target_gguf} -md {drafter_gguf} --spec-type draft-eagle3 --spec-draft-n-max {k} "
+        f"llama-server -m {target_gguf} -md {drafter_gguf} --spec-type draft-{algo} --spec-draft-n-max {k} "
         f"--spec-draft-p-min 0 -t {threads} --host 127.0.0.1 --port 8080"
     )
 
@@ -218,7 +219,13 @@ def _architecture(config: Eagle3Config) -> str:
 
 
 def dflash_serve_commands(fmt: str, verifier: str, out: Path, block_size: int) -> list[str]:
-    """SGLang and vLLM commands that serve a DFlash drafter next to its target (speculators' layout: vLLM only)."""
+    """SGLang and vLLM commands that serve a DFlash drafter next to its target (speculators' layout: vLLM only; a GGUF
+    export: llama-server)."""
+    if fmt == "gguf":
+        return [
+            "make llamacpp  # builds llama-server once; `draftsmith llamacpp path` prints where",
+            llama_server_command(verifier, str(out / "drafter.gguf"), block_size - 1, algo="dflash"),
+        ]
     spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": block_size - 1})
     if fmt == "speculators":
         return [f"vllm serve {out}", f"vllm serve {verifier} --speculative-config '{spec}'"]
@@ -231,14 +238,19 @@ def dflash_serve_commands(fmt: str, verifier: str, out: Path, block_size: int) -
 
 def render_dflash_card(fmt: str, config: DFlashConfig, prov: dict[str, Any], verifier: str, out: Path) -> str:
     """The model card of a DFlash export (z-lab's or speculators' layout)."""
-    layout = "z-lab's DFlash layout (`DFlashDraftModel`)" if fmt == "zlab" else "speculators' DFlash layout"
+    layout = {
+        "zlab": "z-lab's DFlash layout (`DFlashDraftModel`)",
+        "speculators": "speculators' DFlash layout",
+        "gguf": "GGUF for llama.cpp (`drafter.gguf`, converted by llama.cpp from the z-lab layout in `zlab/`)",
+    }[fmt]
     ids = (
         f"`dflash_config.target_layer_ids` = {[i - 1 for i in config.aux_layer_ids]}, z-lab's numbering (output of "
         "decoder layer i)"
-        if fmt == "zlab"
+        if fmt in ("zlab", "gguf")
         else f"`aux_hidden_state_layer_ids` = {list(config.aux_layer_ids)}, vLLM's numbering (the same as ours)"
     )
     ours = list(config.aux_layer_ids)
+    checked = out / "zlab" if fmt == "gguf" else out  # doctor and inspect read the layout llama.cpp converted
     return "\n".join(
         [
             f"# DFlash drafter for {config.target or verifier}",
@@ -251,8 +263,8 @@ def render_dflash_card(fmt: str, config: DFlashConfig, prov: dict[str, Any], ver
             *dflash_serve_commands(fmt, verifier, out, config.block_size),
             "```",
             "",
-            f"Check it first: `draftsmith doctor {out} --target {config.target or verifier}`; "
-            f"`draftsmith inspect {out}` shows this summary.",
+            f"Check it first: `draftsmith doctor {checked} --target {config.target or verifier}`; "
+            f"`draftsmith inspect {checked}` shows this summary.",
             "",
             "## What it is",
             "",

@@ -1,9 +1,11 @@
-"""`draftsmith export --format gguf`: an EAGLE-3 drafter and its target as GGUF files `llama-server` serves.
+"""`draftsmith export --format gguf`: an EAGLE-3 or DFlash drafter and its target as GGUF files `llama-server`
+serves.
 
 The drafter goes through llama.cpp's own converter, never a GGUF writer of ours: first the speculators export
-(which the converter reads as `Eagle3Speculator`/`Eagle3DraftModel`), then `convert_hf_to_gguf.py DRAFTER
---target-model-dir TARGET`, which takes the tokenizer and vocabulary size from the target. llama.cpp reads
-`eagle_aux_hidden_state_layer_ids` as inputs of layers (it captures the layer inputs), which is our convention.
+(EAGLE-3, read as `Eagle3Speculator`/`Eagle3DraftModel`) or z-lab's layout (DFlash, `DFlashDraftModel`), then
+`convert_hf_to_gguf.py DRAFTER --target-model-dir TARGET`, which takes the tokenizer and vocabulary size from the
+target. llama.cpp reads `eagle_aux_hidden_state_layer_ids` as inputs of layers (it captures the layer inputs), our
+convention, and z-lab's `target_layer_ids` as outputs (it adds one), z-lab's.
 
 The target is converted by the same converter at the precision it will be served (`f32`, `bf16`, `q8_0`), or, for
 a built-in target, `q4_1` is the GGUF file it ships as. Target GGUFs are cached (they are large and the same for
@@ -19,18 +21,20 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 from draftsmith.drafters.eagle3 import read_config, resolve_checkpoint
 from draftsmith.engines.llamacpp import LlamaCpp, installed, run_converter
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.formats.card import render_card
+from draftsmith.formats.card import render_card, render_dflash_card
 from draftsmith.formats.common import CARD_FILE, CONFIG_FILE, PROVENANCE_KEY
 from draftsmith.target import BUILTIN_TARGETS, builtin_gguf, cache_dir, hf_dir
 from draftsmith.util import claim_dir
 
 DRAFTER_FILE = "drafter.gguf"
 SPECULATORS_DIR = "speculators"
+ZLAB_DIR = "zlab"
 TARGET_TYPES = ("f32", "bf16", "q8_0", "q4_1")  # q4_1: the built-in target's own GGUF file
 DRAFTER_TYPES = ("f32", "bf16", "f16", "q8_0")
 UNSUPPORTED = ("fc_norm", "norm_output", "qk_norm", "sliding_window")  # variants llama.cpp's EAGLE-3 lacks
@@ -48,30 +52,41 @@ def export_gguf(
     speculative_tokens: int | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write `out/drafter.gguf` (and `out/target-<type>.gguf` unless `target_type` is None), the speculators export
-    they came from, and a model card with the `llama-server` command; returns `out`."""
+    """Write `out/drafter.gguf` (and `out/target-<type>.gguf` unless `target_type` is None), the layout export they
+    came from (speculators' for EAGLE-3, z-lab's for DFlash) and a model card with the `llama-server` command;
+    returns `out`."""
     from draftsmith.formats.export import export
+    from draftsmith.formats.load import is_dflash, read_dflash
 
     if drafter_type not in DRAFTER_TYPES:
         raise ConfigError(f"unknown drafter GGUF type {drafter_type!r}", hint=f"use one of {', '.join(DRAFTER_TYPES)}")
-    ckpt = resolve_checkpoint(source)
-    config = read_config(ckpt)
-    check_supported(config.variant(), ckpt)
+    dflash = is_dflash(source)
+    if dflash:
+        config = read_dflash(source)[0]
+    else:
+        ckpt = resolve_checkpoint(source)
+        config = read_config(ckpt)
+        check_supported(config.variant(), ckpt)
     target = target or config.target
     lc = installed()
     target_dir = hf_dir(target)
     out = Path(out)
     claim_dir(out, "gguf", overwrite=overwrite)
-    spec_dir = export(source, out / SPECULATORS_DIR, "speculators", verifier=str(target_dir), store=store,
-                      report=report, speculative_tokens=speculative_tokens)  # fmt: skip
+    layout, fmt = (ZLAB_DIR, "zlab") if dflash else (SPECULATORS_DIR, "speculators")
+    layout_dir = export(source, out / layout, fmt, verifier=str(target_dir), store=store, report=report,
+                        speculative_tokens=speculative_tokens)  # fmt: skip
     drafter = out / DRAFTER_FILE
-    convert(lc, spec_dir, drafter, drafter_type, target_dir)
+    convert(lc, layout_dir, drafter, drafter_type, target_dir)
     served = None
     if target_type is not None:
         served = _link(target_gguf(target, target_type, lc), out / f"target-{target_type}.gguf")
-    cfg = json.loads((spec_dir / CONFIG_FILE).read_text())
+    cfg = json.loads((layout_dir / CONFIG_FILE).read_text())
     prov = cfg[PROVENANCE_KEY] | {"format": "gguf", "gguf_drafter_type": drafter_type, "gguf_target_type": target_type}
-    card = render_card("gguf", config, prov, cfg, str(served.resolve() if served else "TARGET.gguf"), out.resolve())
+    served_name = str(served.resolve() if served else "TARGET.gguf")
+    if dflash:
+        card = render_dflash_card("gguf", config, prov, served_name, out.resolve())
+    else:
+        card = render_card("gguf", config, prov, cfg, served_name, out.resolve())
     (out / CARD_FILE).write_text(card)
     return out
 
@@ -154,6 +169,22 @@ def drafter_gguf(spec: str | Path, out: Path, target: str | None = None) -> Path
     if (path / DRAFTER_FILE).is_file():
         return path / DRAFTER_FILE
     return export_gguf(path, out, target=target, target_type=None) / DRAFTER_FILE
+
+
+def architecture(path: Path) -> str:
+    """`general.architecture` of a GGUF file (`eagle3`, `dflash`, `llama`, ...): the first key llama.cpp's writer
+    puts in the header (magic, version, tensor and key counts, then key, value type 8 = string, value)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head[:4] != b"GGUF":
+        raise ConfigError(f"{path} is not a GGUF file", hint="pass a .gguf written by llama.cpp's converter")
+    (key_len,) = struct.unpack_from("<Q", head, 24)
+    key = head[32 : 32 + key_len].decode(errors="replace")
+    (kind, value_len) = struct.unpack_from("<IQ", head, 32 + key_len)
+    if key != "general.architecture" or kind != 8:
+        raise ConfigError(f"{path}: the GGUF header does not start with general.architecture", hint="re-export it")
+    start = 32 + key_len + 12
+    return head[start : start + value_len].decode(errors="replace")
 
 
 def served_target(target: str, spec: str) -> Path:

@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from draftsmith.serve.metrics import ServerMetrics
 from draftsmith.serve.protocol import APIError, ChatRequest, CompletionRequest, parse, to_generation
 from draftsmith.serve.scheduler import INTERNAL_ERROR, Job, Overloaded, Scheduler, WorkerDead
+from draftsmith.serve.throttle import ErrorScore, ThrottleRefusals
 from draftsmith.target import Target
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -50,6 +51,7 @@ class ServerState:
     allowed_hosts: frozenset[str] | None = None  # Host header names accepted (None: any, a wildcard bind)
     api_key: str | None = None  # when set, every /v1 route wants `Authorization: Bearer <api_key>`
     on_ready: Callable[[], None] | None = None  # called once the scheduler runs (prints the "ready" line)
+    refusals: ErrorScore = field(default_factory=ErrorScore)  # how long a client's next 4xx answer is held back
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -65,6 +67,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="draftsmith", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, allowed_hosts=state.allowed_hosts, api_key=state.api_key)
     app.add_middleware(_CountResponses, metrics=state.metrics)
+    app.add_middleware(ThrottleRefusals, scores=state.refusals)  # outermost: it holds back every 4xx, the guard's too
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

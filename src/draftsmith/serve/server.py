@@ -52,6 +52,7 @@ class ServeConfig(StageConfig):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     body_timeout: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=256, ge=1)  # open connections; beyond it uvicorn answers 503
+    refusal_hold: float = Field(default=1.0, ge=0)  # most seconds a client's 4xx answers wait (serve/throttle.py)
     api_key: str | None = None
     threads: int | None = Field(default=None, ge=1)
 
@@ -80,6 +81,7 @@ def serve(cfg: ServeConfig) -> None:
     from draftsmith.serve.app import ServerState, create_app
     from draftsmith.serve.metrics import ServerMetrics
     from draftsmith.serve.scheduler import Scheduler
+    from draftsmith.serve.throttle import ErrorScore
     from draftsmith.target import load_target
     from draftsmith.tune import resolve_tree
 
@@ -111,6 +113,7 @@ def serve(cfg: ServeConfig) -> None:
     state = ServerState(
         target, scheduler, metrics, model_name, cfg.default_max_tokens, cfg.max_body_bytes, cfg.body_timeout,
         allowed_hosts=allowed_hosts(cfg.host), api_key=cfg.api_key, on_ready=ready,
+        refusals=ErrorScore(most=cfg.refusal_hold),
     )  # fmt: skip
     config = uvicorn.Config(
         create_app(state), log_level="warning", access_log=False, timeout_graceful_shutdown=5,
