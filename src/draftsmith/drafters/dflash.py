@@ -23,23 +23,19 @@ of layer i, ours i + 1. formats/zlab.py converts at the boundary.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from safetensors.torch import save_file
 from torch import nn
 
 from draftsmith.drafters.base import Draft
-from draftsmith.drafters.eagle3 import MLP, RMSNorm, rope_tables, rotate
+from draftsmith.drafters.eagle3 import CONFIG_FILE, MLP, RMSNorm, rope_tables, rotate, save_drafter
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.packed import PackedLinear, can_pack, pack_linears
 from draftsmith.target import Target
 
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight", "lm_head.weight")  # the target's own: restored from the target, never saved
 ENGINE_ONLY = ("draft_ids",)  # draftsmith's own engine's draft vocabulary: saved, never exported (engines use the head)
 ALGORITHM = "dflash"
@@ -395,16 +391,7 @@ def build_model(config: DFlashConfig, state: dict[str, torch.Tensor], target: Ta
 
 def save_checkpoint(model: DFlashModel, directory: str | Path) -> Path:
     """model.safetensors (every weight but the target's embeddings and head) + config.json, written atomically."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in FROZEN}
-    tmp = directory / f".{WEIGHTS_FILE}.tmp{os.getpid()}"
-    save_file(state, tmp, metadata={"format": "pt"})
-    os.replace(tmp, directory / WEIGHTS_FILE)
-    tmp = directory / f".{CONFIG_FILE}.tmp{os.getpid()}"
-    tmp.write_text(model.config.model_dump_json(indent=2) + "\n")
-    os.replace(tmp, directory / CONFIG_FILE)
-    return directory
+    return save_drafter(model, directory, FROZEN)
 
 
 def is_config(raw: dict) -> bool:

@@ -618,9 +618,14 @@ class Eagle3Drafter:
 
 def save_checkpoint(model: Eagle3Model, directory: str | Path) -> Path:
     """model.safetensors (every weight but the frozen embeddings, which come back from the target) + config.json."""
+    return save_drafter(model, directory, FROZEN)
+
+
+def save_drafter(model: nn.Module, directory: str | Path, frozen: tuple[str, ...]) -> Path:
+    """A drafter's weights but `frozen` (the target's own) and its pydantic `config`, each written atomically."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in FROZEN}
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in frozen}
     tmp = directory / f".{WEIGHTS_FILE}.tmp{os.getpid()}"
     save_file(state, tmp, metadata={"format": "pt"})
     os.replace(tmp, directory / WEIGHTS_FILE)
