@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hostile-clients", type=int, default=1)
     parser.add_argument("--at-cap", action="store_true", help="also send accepted stop strings of the maximum length")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--refusal-hold", type=float, default=None, help="serve's --refusal-hold (0: no hold)")
     args = parser.parse_args(argv)
     # ASCII stop strings (16 x 60 KB fit the 1 MiB body limit) that never occur in an answer, so a hostile
     # request that is accepted decodes to max_tokens, matching its stops after every token.
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_args = ["--target", args.target, "--drafter", "ngram", "--model-name", "target", "--max-active", "4"]
     if args.threads:
         serve_args += ["--threads", str(args.threads)]
+    if args.refusal_hold is not None:
+        serve_args += ["--refusal-hold", str(args.refusal_hold)]
     a_gaps: list[float] = []
     b_gaps: list[float] = []
     counts: dict[int, int] = {}

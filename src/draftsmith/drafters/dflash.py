@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
 from draftsmith.drafters.base import Draft
-from draftsmith.drafters.eagle3 import CONFIG_FILE, MLP, RMSNorm, rope_tables, rotate, save_drafter
+from draftsmith.drafters.eagle3 import CONFIG_FILE, MLP, RMSNorm, layer_shape, rope_tables, rotate, save_drafter
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.packed import PackedLinear, can_pack, pack_linears
 from draftsmith.target import Target
@@ -85,27 +85,10 @@ class DFlashConfig(BaseModel):
     ) -> DFlashConfig:
         """Shape the drafter's layers like the target's; default layer ids as z-lab picks them (one per draft
         layer, spread over the target), default mask token from `default_mask_token`."""
-        c = target.config
         ids = default_layer_ids(target.num_layers, num_layers) if aux_layer_ids is None else tuple(aux_layer_ids)
         mask = default_mask_token(target) if mask_token_id is None else mask_token_id
-        rope = getattr(c, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ConfigError(
-                f"target {target.name} uses {rope['rope_type']!r} RoPE scaling; the DFlash drafter supports plain "
-                "RoPE only",
-                hint="use a target without rope scaling",
-            )
-        heads = c.num_attention_heads
         config = cls(
-            hidden_size=c.hidden_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            intermediate_size=c.intermediate_size,
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
-            max_position_embeddings=target.context_length,
-            vocab_size=target.vocab_size,
+            **layer_shape(target, "DFlash"),
             num_layers=num_layers,
             target_num_layers=target.num_layers,
             aux_layer_ids=ids,

@@ -50,6 +50,31 @@ FROZEN = ("embed_tokens.weight",)  # a copy of the target's embeddings: restored
 VARIANTS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output", "qk_norm", "sliding_window")
 
 
+def layer_shape(target: Target, algorithm: str) -> dict[str, Any]:
+    """A drafter layer shaped like one of the target's: sizes, heads, norm epsilon, plain RoPE (anything else is
+    refused), context and vocabulary — the config fields EAGLE-3 and DFlash share."""
+    c = target.config
+    rope = getattr(c, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"target {target.name} uses {rope['rope_type']!r} RoPE scaling; the {algorithm} drafter supports plain "
+            "RoPE only",
+            hint="use a target without rope scaling",
+        )
+    heads = c.num_attention_heads
+    return {
+        "hidden_size": c.hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(c, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // heads,
+        "intermediate_size": c.intermediate_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+        "max_position_embeddings": target.context_length,
+        "vocab_size": target.vocab_size,
+    }
+
+
 class Eagle3Config(BaseModel):
     """Everything needed to rebuild the drafter, and which target it belongs to (saved as config.json)."""
 
@@ -99,7 +124,6 @@ class Eagle3Config(BaseModel):
     ) -> Eagle3Config:
         """Shape the drafter's layer like one of the target's; `fingerprint` skips re-hashing a known target;
         `variant` sets the layer variant switches (`VARIANTS`)."""
-        c = target.config
         if len(aux_layer_ids) != 3 or not all(0 <= i < target.num_layers for i in aux_layer_ids):
             raise ConfigError(
                 f"EAGLE-3 needs 3 aux layer ids in [0, {target.num_layers}), got {tuple(aux_layer_ids)}",
@@ -110,14 +134,6 @@ class Eagle3Config(BaseModel):
                 f"draft vocabulary size {draft_vocab_size} is outside 1..{target.vocab_size} (the target's)",
                 hint="pick a draft vocabulary no larger than the target's",
             )
-        rope = getattr(c, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ConfigError(
-                f"target {target.name} uses {rope['rope_type']!r} RoPE scaling; the EAGLE-3 drafter supports plain "
-                "RoPE only",
-                hint="use a target without rope scaling",
-            )
-        heads = c.num_attention_heads
         unknown = sorted(set(variant) - set(VARIANTS))
         if unknown:
             raise ConfigError(f"unknown EAGLE-3 layer variant {unknown}", hint=f"use {', '.join(VARIANTS)}")
@@ -127,15 +143,7 @@ class Eagle3Config(BaseModel):
                 hint="turn one of them off",
             )
         return cls(
-            hidden_size=c.hidden_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            intermediate_size=c.intermediate_size,
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
-            max_position_embeddings=target.context_length,
-            vocab_size=target.vocab_size,
+            **layer_shape(target, "EAGLE-3"),
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=tuple(aux_layer_ids),
             target=target.name,
