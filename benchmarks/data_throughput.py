@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--extract-max-length", type=int, default=512, help="as in the cpu profiles")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each measurement")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="the target's compute dtype (bfloat16: the data stage's fast path)")
     parser.add_argument("--data-dir", type=Path, default=os.environ.get("DRAFTSMITH_DATA"), help="benchmark prompts")
     return parser.parse_args(argv)
 
@@ -130,12 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     source, convs = load_prompts(args.data_dir, args.prompts)
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=args.dtype)
     fingerprint = target.fingerprint()
     target.fingerprint = lambda: fingerprint  # once per run, as the extract stage computes it once per store
     regenerate_module.console.quiet = True
     print(
-        f"{target.name}, {args.threads} threads: {len(convs)} prompts ({source}), batch {args.batch_size}, "
+        f"{target.name} ({args.dtype}), {args.threads} threads: {len(convs)} prompts ({source}), batch {args.batch_size}, "
         f"{args.max_new_tokens} new tokens, greedy; {args.repeats} interleaved runs of each after a warm-up",
         flush=True,
     )

@@ -290,7 +290,7 @@ def test_stage_regenerates_prompts_and_synth_and_resumes(tmp_path, monkeypatch):
     build_dataset([str(prompts_file), str(chats)], tmp_path / "data", **kwargs)
     assert (out / "regenerated.jsonl").read_text() == before
 
-    with pytest.raises(DataError, match="already holds a regeneration made from other sources, config or target"):
+    with pytest.raises(DataError, match="already holds target-written data made from other sources, config or target"):
         build_dataset([str(chats)], tmp_path / "data", **(kwargs | {"max_new_tokens": 5}))
 
 
@@ -303,7 +303,7 @@ def test_stage_without_regenerate_needs_assistant_turns(tmp_path):
 
 
 def test_stage_input_errors(tmp_path):
-    with pytest.raises(ConfigError, match="no sources and no --synth"):
+    with pytest.raises(ConfigError, match="no sources, no --synth prompts and no --self-chat"):
         build_dataset([], tmp_path / "data")
     with pytest.raises(ConfigError, match="need a target model"):
         build_dataset(["x.jsonl"], tmp_path / "data", regenerate=True)

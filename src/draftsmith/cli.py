@@ -111,7 +111,9 @@ def run_eval(cfg) -> dict:
 @app.command()
 @user_errors
 def data(
-    sources: Annotated[list[str], typer.Argument(help="ShareGPT/prompt files (.jsonl/.json/.gz) or HF dataset ids")],
+    sources: Annotated[
+        list[str] | None, typer.Argument(help="ShareGPT/prompt files (.jsonl/.json/.gz) or HF dataset ids")
+    ] = None,
     out: Annotated[Path, typer.Option(help="stage directory to write")] = Path("runs/data"),
     target: TargetOpt = "smollm2-135m",
     regenerate: Annotated[bool, typer.Option(help="the target writes every assistant turn")] = False,
@@ -123,6 +125,8 @@ def data(
             "reasoning, math, code, extraction, translation, summarisation, passage_qa); 'none': unsteered"
         ),
     ] = None,
+    self_chat: Annotated[int, typer.Option(help="add N chats the target writes both sides of")] = 0,
+    self_chat_length: Annotated[int, typer.Option(help="tokens per --self-chat chat")] = 512,
     limit: Annotated[int | None, typer.Option(help="first N conversations of each source")] = None,
     skip: Annotated[int, typer.Option(help="skip the first N records of each source (held out for eval)")] = 0,
     hf_split: str = "train",
@@ -143,8 +147,8 @@ def data(
     from draftsmith.stages import data as run_data
     from draftsmith.target import load_target
 
-    cfg = DataConfig.checked(**options)
-    run_data(cfg, out, load_target(target, dtype=dtype) if regenerate or synth else None)
+    cfg = DataConfig.checked(**(options | {"sources": sources or []}))
+    run_data(cfg, out, load_target(target, dtype=dtype) if regenerate or synth or self_chat else None)
     console.print(f"wrote {out}")
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from draftsmith.data.regenerate import check_unique_ids
 from draftsmith.data.regenerate import regenerate as regenerate_conversations
+from draftsmith.data.selfchat import self_chat as write_self_chat
 from draftsmith.data.sources import KNOWN_DATASETS, Conversation, read_records, record_to_conversation
 from draftsmith.data.synth import SYNTH_KINDS, check_kinds, synthesize_prompts
 from draftsmith.errors import ConfigError, DataError
@@ -43,6 +44,8 @@ def build_dataset(
     target: Target | None = None,
     regenerate: bool = False,
     synth: int = 0,
+    self_chat: int = 0,
+    self_chat_length: int = 512,
     synth_kinds: Sequence[str] = SYNTH_KINDS,
     limit: int | None = None,
     skip: int = 0,
@@ -59,14 +62,18 @@ def build_dataset(
     (`owner/name` or `owner/name:config`, split `hf_split`); `limit` keeps the first N conversations of each source
     after its first `skip` (e.g. the prompts an evaluation uses, held out);
     `synth` adds N prompts the target writes itself, spread evenly over `synth_kinds` (see `draftsmith.data.synth`;
-    empty: unsteered pre-query samples). `temperature`, `max_new_tokens` and `batch_size` drive the
+    empty: unsteered pre-query samples); `self_chat` adds N multi-turn chats of `self_chat_length` tokens the target
+    writes both sides of, over the same kinds (see `draftsmith.data.selfchat`; resumable). `temperature`, `max_new_tokens` and `batch_size` drive the
     regeneration (synthesis samples at its own defaults, since a greedy prompt writer writes one prompt).
     `backend` runs the target for synthesis and regeneration (default: transformers; the manifest records it).
     """
-    if not sources and synth <= 0:
-        raise ConfigError("no data: no sources and no --synth prompts", hint="pass a file, a hub dataset or --synth N")
-    if (regenerate or synth) and target is None:
-        raise ConfigError("--regenerate and --synth need a target model", hint="pass --target")
+    if not sources and synth <= 0 and self_chat <= 0:
+        raise ConfigError(
+            "no data: no sources, no --synth prompts and no --self-chat chats",
+            hint="pass a file, a hub dataset, --synth N or --self-chat N",
+        )
+    if (regenerate or synth or self_chat) and target is None:
+        raise ConfigError("--regenerate, --synth and --self-chat need a target model", hint="pass --target")
     if limit is not None and limit < 1:
         raise ConfigError(f"limit must be at least 1, found {limit}", hint="pass a positive --limit or none")
     if skip < 0:
@@ -84,21 +91,23 @@ def build_dataset(
             "max_new_tokens": max_new_tokens,
             "batch_size": batch_size,
         }
-        | ({"synth_kinds": list(synth_kinds)} if synth > 0 else {})
+        | ({"synth_kinds": list(synth_kinds)} if synth > 0 or self_chat > 0 else {})
+        | ({"self_chat": self_chat, "self_chat_length": self_chat_length} if self_chat > 0 else {})
         | ({"skip": skip} if skip else {})
     )
     inputs = {"sources": list(sources), "config": config, "target": target.name if target else None}
     conversations_path, regenerated_path = out_dir / "conversations.jsonl", out_dir / "regenerated.jsonl"
+    chat_path = out_dir / "chat.jsonl"
     manifest_path = out_dir / "manifest.json"
 
     previous = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
     same_inputs = previous is not None and all(previous.get(k) == v for k, v in inputs.items())
-    if regenerated_path.exists() and not same_inputs:
+    if (regenerated_path.exists() or chat_path.exists()) and not same_inputs:
         raise DataError(
-            f"{out_dir} already holds a regeneration made from other sources, config or target",
+            f"{out_dir} already holds target-written data made from other sources, config or target",
             hint="use a new --out directory, or delete the old one to start over",
         )
-    if same_inputs and regenerated_path.exists():  # resume the regeneration over the conversations gathered then
+    if same_inputs and conversations_path.exists():  # resume over the conversations gathered then
         conversations = [
             Conversation(r["id"], r["messages"], r.get("kind")) for _, r in read_records(conversations_path)
         ]
@@ -115,7 +124,13 @@ def build_dataset(
         write_atomic(conversations_path, "".join(_jsonl(c) for c in conversations))
         write_atomic(manifest_path, _manifest(inputs, counts, complete=False, backend=backend))
 
-    if regenerate:
+    if self_chat > 0:
+        write_self_chat(
+            target, self_chat, chat_path, seed=seed, length=self_chat_length, batch_size=batch_size,
+            max_turn_tokens=max_new_tokens, temperature=temperature, kinds=synth_kinds,
+        )  # fmt: skip
+        counts = counts | {"self_chat": sum(1 for _ in read_records(chat_path))}
+    if regenerate and conversations:
         regenerate_conversations(
             target,
             conversations,
@@ -262,4 +277,5 @@ def load_stage_conversations(data_dir: Path) -> list[Conversation]:
             f"the data stage in {data_dir} did not finish", hint="re-run the same `draftsmith data` command"
         )
     name = "regenerated.jsonl" if manifest["config"]["regenerate"] else "conversations.jsonl"
-    return [Conversation(r["id"], r["messages"]) for _, r in read_records(Path(data_dir) / name)]
+    files = [Path(data_dir) / n for n in (name, "chat.jsonl") if (Path(data_dir) / n).exists()]
+    return [Conversation(r["id"], r["messages"]) for f in files for _, r in read_records(f)]

@@ -1,0 +1,226 @@
+"""Conversations the target writes both sides of ("self-chat"), in one batch that never drains.
+
+Synthesising a prompt and then regenerating its reply costs two batched generations whose rows leave as they
+finish: the last few rows of every batch decode almost alone, and on a CPU a decode step over 2 rows costs nearly
+what one over 32 does. Here each row is a whole multi-turn chat: the target writes a user message (sampled, steered
+towards one of `SYNTH_KINDS` by an opener, as in `synth`), its own reply (greedy, as served), then the next user
+message (free, in the Magpie multi-turn way) and so on, until the row holds `length` tokens. The chat template's
+separators between turns are fed as forced tokens when a turn ends, so every row is busy on every step, and every
+token of the chat, both sides, is the target's own writing.
+
+For the kinds about a given text, the first user turn asks for a passage ("Write a short news article about
+gardening.") and the second turn asks about it ("Summarize the text above in two sentences."), so summarisation,
+extraction and questions about a passage come out of the target's own texts.
+
+Output: `chat.jsonl` in the data directory, one {"id", "messages", "kind"} per line, appended and fsynced per batch;
+a re-run skips the batches already there (each batch's RNG comes from the seed and its index).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from draftsmith.backends.batch import BatchDecoder, batched_attention, choose
+from draftsmith.data.regenerate import read_done_ids
+from draftsmith.data.synth import KINDS, _passage_request, check_kinds
+from draftsmith.data.tokenize import render_chat
+from draftsmith.errors import ConfigError, TargetError
+from draftsmith.progress import progress_bar
+from draftsmith.target import Target
+
+console = Console(stderr=True, soft_wrap=True)
+_MARKS = ("DRAFTSMITH_U1", "DRAFTSMITH_A1", "DRAFTSMITH_U2")
+
+# The second user turn of the kinds about a passage (the first asked the target to write one).
+FOLLOW_UPS: dict[str, tuple[str, ...]] = {
+    "extraction": (
+        "Extract all the names, dates and places mentioned in the text above.",
+        "List the key facts in that text as bullet points.",
+        "From that text, extract every number and what it refers to, as JSON.",
+    ),
+    "summarisation": (
+        "Summarize the text above in two sentences.",
+        "Write a TL;DR of that text.",
+        "Give a short title and a one-sentence summary for the text above.",
+    ),
+    "passage_qa": ("Based on the text above,", "Answer this question about the text above:", "In that text, why"),
+}
+
+
+@dataclass
+class _Row:
+    """One chat being written: its finished turns, the turn in progress and the tokens to feed before sampling."""
+
+    kind: str | None
+    messages: list[dict] = field(default_factory=list)
+    turn: list[int] = field(default_factory=list)
+    role: str = "user"
+    forced: list[tuple[int, bool]] = field(default_factory=list)  # (token, part of the turn's text)
+
+
+class Template:
+    """The chat template cut at its turn boundaries: where a chat starts, and what sits between two turns."""
+
+    def __init__(self, target: Target) -> None:
+        tokenizer = target.tokenizer
+        roles = ("user", "assistant", "user")
+        text = render_chat(tokenizer, [{"role": r, "content": m} for r, m in zip(roles, _MARKS, strict=True)])
+        if not all(m in text for m in _MARKS):
+            raise TargetError(
+                f"the chat template of {target.name} does not show messages verbatim, so self-chat cannot cut it",
+                hint="use --synth and --regenerate for this target instead of --self-chat",
+            )
+        cuts = [text.index(m) for m in _MARKS]
+        encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+        self.start = encode(text[: cuts[0]])
+        self.to_assistant = encode(text[cuts[0] + len(_MARKS[0]) : cuts[1]])
+        self.to_user = encode(text[cuts[1] + len(_MARKS[1]) : cuts[2]])
+        if not (self.start and self.to_assistant and self.to_user):
+            raise TargetError(
+                f"the chat template of {target.name} writes nothing between turns, so self-chat cannot tell them apart",
+                hint="use --synth and --regenerate for this target instead of --self-chat",
+            )
+        self.ends_user = {self.to_assistant[0]} | target.eos_token_ids
+        self.ends_assistant = {self.to_user[0]} | target.eos_token_ids
+        self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        self.encode = encode
+
+
+def self_chat(
+    target: Target,
+    n: int,
+    out_path: Path,
+    *,
+    seed: int,
+    length: int = 512,
+    batch_size: int = 32,
+    max_turn_tokens: int = 256,
+    temperature: float = 0.0,
+    user_temperature: float = 1.0,
+    kinds: tuple[str, ...] | list[str] = tuple(KINDS),
+    progress: bool = True,
+) -> Path:
+    """Write `n` self-chats of `length` tokens each (template included) to `out_path`; resumes. Kinds take turns
+    (`chat-code-00004`); an assistant turn longer than `max_turn_tokens` is cut and marked `"truncated": true`."""
+    if n < 0 or batch_size < 1 or length < 16 or max_turn_tokens < 1 or user_temperature <= 0:
+        raise ConfigError(
+            f"self-chat needs n >= 0, batch_size >= 1, length >= 16, max_turn_tokens >= 1 and a user temperature "
+            f"above 0; found {n}, {batch_size}, {length}, {max_turn_tokens}, {user_temperature}",
+            hint="fix the self_chat settings",
+        )
+    if length > target.context_length:
+        raise ConfigError(
+            f"self_chat_length {length} exceeds the context of {target.name} ({target.context_length} tokens)",
+            hint=f"use a self_chat_length of at most {target.context_length}",
+        )
+    kinds = check_kinds(kinds) if kinds else ()
+    template = Template(target)
+    names = [kinds[i % len(kinds)] if kinds else None for i in range(n)]
+    ids = [f"chat-{k}-{i:05d}" if k else f"chat-{i:05d}" for i, k in enumerate(names)]
+    done = read_done_ids(out_path)
+    tokens = seconds = 0.0
+    with progress_bar(console=console, disable=not progress) as bar, Path(out_path).open("a", encoding="utf-8") as out:
+        task = bar.add_task("self-chat", total=n, completed=len(done & set(ids)))
+        for start in range(0, n, batch_size):
+            batch = list(range(start, min(n, start + batch_size)))
+            if all(ids[i] in done for i in batch):
+                continue
+            began = time.perf_counter()
+            rows = _write_batch(
+                target, template, [names[i] for i in batch], random.Random(f"{seed}/{start}"), length,
+                max_turn_tokens, temperature, user_temperature,
+            )  # fmt: skip
+            seconds += time.perf_counter() - began
+            tokens += len(batch) * length
+            records = [
+                {"id": ids[i], "messages": row.messages} | ({"kind": row.kind} if row.kind else {})
+                for i, row in zip(batch, rows, strict=True)
+            ]
+            out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            out.flush()
+            os.fsync(out.fileno())
+            bar.update(task, advance=len(batch), description=f"self-chat ({tokens / seconds:.0f} tokens/s)")
+    if seconds:
+        console.print(f"self-chat: {tokens:.0f} tokens in {seconds:.1f}s = {tokens / seconds:.1f} tokens/s")
+    return Path(out_path)
+
+
+def _write_batch(
+    target: Target,
+    template: Template,
+    kinds: list[str | None],
+    rng: random.Random,
+    length: int,
+    max_turn_tokens: int,
+    temperature: float,
+    user_temperature: float,
+) -> list[_Row]:
+    """One batch of chats, every row decoded for the same number of steps (no row ever leaves)."""
+    torch.manual_seed(rng.getrandbits(63))
+    rows, prompts = [], []
+    for kind in kinds:
+        row = _Row(kind)
+        opener = _passage_request(rng) if kind and KINDS[kind].passage else _opener(rng, kind)
+        turn = template.encode(opener) if opener else []
+        if kind and KINDS[kind].passage:  # a whole request: the user turn ends here, the reply is the passage
+            row.messages.append({"role": "user", "content": opener})
+            row.forced, row.role = [(t, False) for t in template.to_assistant], "assistant"
+        else:
+            row.turn = list(turn)
+        rows.append(row)
+        prompts.append(template.start + turn)
+    width = max(map(len, prompts))
+    steps = max(length - width, 1)
+    with torch.inference_mode(), batched_attention(target.model):
+        decoder = BatchDecoder(target, prompts, steps)
+        for step in range(steps):
+            greedy = choose(decoder.logits, temperature).tolist()
+            sampled = choose(decoder.logits, user_temperature).tolist()
+            feed = [_advance(row, g if row.role == "assistant" else s, template, rng, max_turn_tokens)
+                    for row, g, s in zip(rows, greedy, sampled, strict=True)]  # fmt: skip
+            if step < steps - 1:
+                decoder.step(torch.tensor(feed))
+    for row in rows:  # the turn in progress: a cut reply is kept (marked), a cut user message is dropped
+        if row.role == "assistant" and row.turn:
+            row.messages.append({"role": "assistant", "content": template.decode(row.turn), "truncated": True})
+    return rows
+
+
+def _advance(row: _Row, chosen: int, template: Template, rng: random.Random, max_turn_tokens: int) -> int:
+    """The token this row feeds next: a forced one if any is queued, else `chosen`, ending the turn on a stop
+    token or at the length cap (then the template's separator and the next turn's opener are queued)."""
+    if row.forced:
+        token, in_turn = row.forced.pop(0)
+        if in_turn:
+            row.turn.append(token)
+        return token
+    ends = template.ends_user if row.role == "user" else template.ends_assistant
+    capped = len(row.turn) >= max_turn_tokens
+    if chosen not in ends and not capped:
+        row.turn.append(chosen)
+        return chosen
+    if row.role == "assistant":
+        reply = {"role": "assistant", "content": template.decode(row.turn)}
+        row.messages.append(reply | ({"truncated": True} if capped else {}))
+        follow = FOLLOW_UPS.get(row.kind or "", ())
+        opener = rng.choice(follow) if follow and len(row.messages) == 2 else ""
+        row.forced = [(t, False) for t in template.to_user] + [(t, True) for t in template.encode(opener)]
+        row.role = "user"
+    else:
+        row.messages.append({"role": "user", "content": template.decode(row.turn).strip()})
+        row.forced = [(t, False) for t in template.to_assistant]
+        row.role = "assistant"
+    row.turn = []
+    return _advance(row, chosen, template, rng, max_turn_tokens)
+
+
+def _opener(rng: random.Random, kind: str | None) -> str:
+    return rng.choice(KINDS[kind].openers) if kind else ""
