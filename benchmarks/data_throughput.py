@@ -6,6 +6,9 @@ Three measurements in one run, on the same prompts and the same (packed) target:
   by length so little padding is computed. The upper bound: every weight read once serves a whole batch of tokens.
 - regeneration: `draftsmith.data.regenerate.regenerate` (the `draftsmith data --regenerate` code path, greedy) over
   the prompts at `--batch-size`; tokens/s counts every token the target wrote, stop tokens included.
+- self-chat: `draftsmith.data.selfchat.self_chat` (the `draftsmith data --self-chat` code path: the target writes
+  both sides of multi-turn chats in a batch that never drains) for as many chats as prompts, `--chat-length`
+  tokens each, at `--batch-size`; tokens/s counts every token of the chats.
 - extraction: `draftsmith.store.extract` (the `draftsmith extract` code path, bf16 shards) over the regenerated
   conversations; tokens/s counts prompt and answer tokens. The target's fingerprint is computed once up front,
   as the stage computes it once per store.
@@ -32,6 +35,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.data import regenerate as regenerate_module
+from draftsmith.data import selfchat as selfchat_module
+from draftsmith.data.selfchat import self_chat
 from draftsmith.data.sources import Conversation, load_eval_prompts
 from draftsmith.data.tokenize import tokenize_conversation
 from draftsmith.pipeline import load_pipeline
@@ -49,9 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=2 * cpu_batch, help="number of prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per answer, as in the cpu profiles")
     parser.add_argument("--extract-max-length", type=int, default=512, help="as in the cpu profiles")
+    parser.add_argument("--chat-length", type=int, default=512, help="tokens per self-chat, as in the cpu profiles")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each measurement")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="float32", help="the target's compute dtype (bfloat16: the data stage's fast path)")
+    parser.add_argument("--dtype", default="float32", help="the target's compute dtype")
     parser.add_argument("--data-dir", type=Path, default=os.environ.get("DRAFTSMITH_DATA"), help="benchmark prompts")
     return parser.parse_args(argv)
 
@@ -97,6 +103,14 @@ def run_regenerate(target: Target, convs: list[Conversation], args, work: Path) 
     return counted.tokens, seconds, out.read_text()
 
 
+def run_self_chat(target: Target, n: int, args, work: Path) -> tuple[int, float, str]:
+    """(tokens, seconds, the chats) of `n` self-chats into a fresh file."""
+    out = Path(tempfile.mkdtemp(dir=work)) / "chat.jsonl"
+    start = time.perf_counter()
+    self_chat(target, n, out, seed=0, length=args.chat_length, batch_size=args.batch_size, progress=False)
+    return n * args.chat_length, time.perf_counter() - start, out.read_text()
+
+
 def run_prefill(target: Target, rows: list[list[int]], batch_size: int) -> tuple[int, float]:
     """(tokens, seconds) of forwards over `rows` in length-sorted, right-padded batches of `batch_size`."""
     model = target.model
@@ -134,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.target, dtype=args.dtype)
     fingerprint = target.fingerprint()
     target.fingerprint = lambda: fingerprint  # once per run, as the extract stage computes it once per store
-    regenerate_module.console.quiet = True
+    regenerate_module.console.quiet = selfchat_module.console.quiet = True
     print(
-        f"{target.name} ({args.dtype}), {args.threads} threads: {len(convs)} prompts ({source}), batch {args.batch_size}, "
+        f"{target.name} ({args.dtype}), {args.threads} threads: {len(convs)} prompts ({source}), "
+        f"batch {args.batch_size}, "
         f"{args.max_new_tokens} new tokens, greedy; {args.repeats} interleaved runs of each after a warm-up",
         flush=True,
     )
@@ -152,18 +167,21 @@ def main(argv: list[str] | None = None) -> int:
         rows = [ids for _, ids, _ in samples]
         run_prefill(target, rows[: args.batch_size], args.batch_size)
         run_extract(target, samples[:2], args, work)
+        run_self_chat(target, 2, args, work)
 
-        rates: dict[str, list[float]] = {"prefill": [], "regeneration": [], "extraction": []}
+        rates: dict[str, list[float]] = {"prefill": [], "regeneration": [], "self-chat": [], "extraction": []}
         identical = 0
         for r in range(args.repeats):
-            order = ["prefill", "regeneration", "extraction"]
-            order = order[r % 3 :] + order[: r % 3]
+            order = list(rates)
+            order = order[r % len(order) :] + order[: r % len(order)]
             for name in order:
                 if name == "prefill":
                     tokens, seconds = run_prefill(target, rows, args.batch_size)
                 elif name == "regeneration":
                     tokens, seconds, again = run_regenerate(target, convs, args, work)
                     identical += again == text
+                elif name == "self-chat":
+                    tokens, seconds, _ = run_self_chat(target, len(convs), args, work)
                 else:
                     tokens, seconds = run_extract(target, samples, args, work)
                 rates[name].append(tokens / seconds)
@@ -175,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in median.items():
         print(f"{name:<12} {value:8.1f} tokens/s  (median of {len(rates[name])} runs)")
     print(f"regeneration / prefill = {median['regeneration'] / median['prefill']:.2f}")
+    print(f"self-chat / prefill    = {median['self-chat'] / median['prefill']:.2f}")
     print(f"extraction / prefill   = {median['extraction'] / median['prefill']:.2f}")
     print(f"regeneration identical to the warm-up run: {identical}/{args.repeats}")
     return 0

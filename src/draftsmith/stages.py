@@ -82,7 +82,8 @@ def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
     try:
         return build_dataset(
             resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth,
-            self_chat=cfg.self_chat, self_chat_length=cfg.self_chat_length, synth_kinds=cfg.synth_kinds, limit=cfg.limit, skip=cfg.skip, hf_split=cfg.hf_split, seed=cfg.seed,
+            self_chat=cfg.self_chat, self_chat_length=cfg.self_chat_length, synth_kinds=cfg.synth_kinds,
+            limit=cfg.limit, skip=cfg.skip, hf_split=cfg.hf_split, seed=cfg.seed,
             temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, backend=backend,
         )  # fmt: skip
     finally:

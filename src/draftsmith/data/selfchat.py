@@ -188,9 +188,11 @@ def _write_batch(
                     for row, g, s in zip(rows, greedy, sampled, strict=True)]  # fmt: skip
             if step < steps - 1:
                 decoder.step(torch.tensor(feed))
-    for row in rows:  # the turn in progress: a cut reply is kept (marked), a cut user message is dropped
+    for row in rows:  # the turn in progress: a cut reply is kept (marked); a user message without a reply goes
         if row.role == "assistant" and row.turn:
             row.messages.append({"role": "assistant", "content": template.decode(row.turn), "truncated": True})
+        elif row.messages and row.messages[-1]["role"] == "user":
+            row.messages.pop()
     return rows
 
 

@@ -1,0 +1,95 @@
+"""Self-chat: the target writes both sides of multi-turn chats in one batch; replies are its greedy output."""
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from draftsmith.backends.batch import generate_batch
+from draftsmith.data.selfchat import FOLLOW_UPS, Template, self_chat
+from draftsmith.data.stage import build_dataset, load_stage_conversations
+from draftsmith.errors import ConfigError
+from draftsmith.target import Target
+from tests.conftest import tiny_target
+
+
+def chat_target(seed: int) -> Target:
+    """tiny_target with words of one width (w00 ... w95), so a decoded turn encodes back to the same ids (the
+    conftest tokenizer's special "t1" also matches the start of "t13")."""
+    tiny = tiny_target(seed=seed)
+    tok = Tokenizer(models.WordLevel({f"w{i:02d}": i for i in range(96)}, unk_token="w00"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w01", pad_token="w01")
+    return Target(tiny.name, tiny.model, tokenizer)
+
+
+def chats(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_replies_are_the_targets_greedy_output_for_the_chat_so_far(tmp_path):
+    target = chat_target(seed=3)
+    template = Template(target)
+    out = self_chat(target, 6, tmp_path / "chat.jsonl", seed=1, length=80, batch_size=4, max_turn_tokens=10,
+                    kinds=(), progress=False)  # fmt: skip
+    checked = 0
+    for record in chats(out):
+        messages = record["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant"] * (len(messages) // 2)
+        prompt = list(template.start)
+        for user, reply in zip(messages[::2], messages[1::2], strict=True):
+            prompt += template.encode(user["content"]) + template.to_assistant
+            [(tokens, ended)] = generate_batch(
+                target, [prompt], temperature=0.0, max_new_tokens=10, stop_ids=template.ends_assistant
+            )
+            if len(prompt) + len(tokens) + 1 >= 80:  # the chat's length cut this reply short
+                break
+            assert template.decode(tokens) == reply["content"]
+            assert reply.get("truncated", False) == (not ended)
+            checked += 1
+            prompt += tokens + template.to_user
+    assert checked >= 6  # every chat's first reply at least
+
+
+def test_kinds_take_turns_and_passage_kinds_ask_about_the_passage(tmp_path):
+    target = tiny_target(seed=4)
+    out = self_chat(target, 4, tmp_path / "chat.jsonl", seed=0, length=90, batch_size=4, max_turn_tokens=8,
+                    kinds=("summarisation", "code"), progress=False)  # fmt: skip
+    records = chats(out)
+    assert [r["id"] for r in records] == [f"chat-{k}-{i:05d}" for i, k in enumerate(["summarisation", "code"] * 2)]
+    summary = records[0]["messages"]
+    assert summary[0]["content"].startswith("Write a short ") and len(summary) >= 3
+    template = Template(target)
+    asks = [template.decode(template.encode(f)) for f in FOLLOW_UPS["summarisation"]]  # as the tokenizer reads them
+    assert any(summary[2]["content"].startswith(a) for a in asks)  # the follow-up asks about the passage
+
+
+def test_same_seed_same_chats_and_a_cut_run_resumes_to_the_same_file(tmp_path):
+    target = tiny_target(seed=5)
+    options = {"seed": 2, "length": 60, "batch_size": 2, "max_turn_tokens": 8, "progress": False}
+    whole = self_chat(target, 5, tmp_path / "whole.jsonl", **options).read_text()
+    cut = tmp_path / "cut.jsonl"
+    lines = whole.splitlines(keepends=True)
+    cut.write_text("".join(lines[:2]) + lines[2][:10])  # one whole batch, then a torn line
+    assert self_chat(target, 5, cut, **options).read_text() == whole
+
+
+def test_bad_settings_are_refused_in_one_line(tmp_path):
+    target = tiny_target()
+    with pytest.raises(ConfigError, match="exceeds the context"):
+        self_chat(target, 2, tmp_path / "c.jsonl", seed=0, length=10_000, progress=False)
+    with pytest.raises(ConfigError, match="length >= 16"):
+        self_chat(target, 2, tmp_path / "c.jsonl", seed=0, length=4, progress=False)
+
+
+def test_the_data_stage_keeps_self_chats_beside_the_regenerated_conversations(tmp_path):
+    target = tiny_target(seed=6)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "t5 t6 t7"}\n{"prompt": "t8 t9"}\n')
+    out = build_dataset([str(prompts)], tmp_path / "data", target=target, regenerate=True, self_chat=3,
+                        self_chat_length=40, max_new_tokens=6, batch_size=2)  # fmt: skip
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["self_chat"] == 3 and manifest["config"]["self_chat_length"] == 40
+    conversations = load_stage_conversations(out)
+    assert len(conversations) == 5 and sum(c.id.startswith("chat-") for c in conversations) == 3
