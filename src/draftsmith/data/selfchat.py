@@ -183,7 +183,8 @@ def _write_batch(
         decoder = BatchDecoder(target, prompts, steps)
         for step in range(steps):
             greedy = choose(decoder.logits, temperature).tolist()
-            sampled = choose(decoder.logits, user_temperature).tolist()
+            writing = any(row.role == "user" and not row.forced for row in rows)  # else no row samples this step
+            sampled = choose(decoder.logits, user_temperature).tolist() if writing else greedy
             feed = [_advance(row, g if row.role == "assistant" else s, template, rng, max_turn_tokens)
                     for row, g, s in zip(rows, greedy, sampled, strict=True)]  # fmt: skip
             if step < steps - 1:
