@@ -208,12 +208,14 @@ PREDICTED_ROWS = [
     ("tune predicted: speculative tokens/s", "predicted_tokens_per_s", "{:.1f}"),
     ("tune predicted: fixed chain tokens/s", "predicted_tokens_per_s_chain", "{:.1f}"),
 ]
-TWIN_TITLES = {"_fixed": "fixed chain", "_chain": "fixed chain", "_adaptive": "adaptive chain"}
+# A learned drafter's other runs beside its main one: its fixed chain; a tree's chains (fixed, adaptive, merged).
+TWIN_TITLES = {"_fixed": "fixed chain", "_chain": "fixed chain", "_adaptive": "adaptive chain",
+               "_merged": "merged chain"}  # fmt: skip
 
 
 def summary_rows(report: dict) -> list[tuple[str, str]]:
     rows = list(SUMMARY_ROWS)
-    for suffix in ("_chain", "_adaptive"):
+    for suffix in ("_chain", "_adaptive", "_merged"):
         if f"acceptance_length{suffix}" in report:
             rows += [(f"{TWIN_TITLES[suffix]}: {label.split(': ')[1]}", key.replace("_fixed", suffix), fmt)
                      for label, key, fmt in FIXED_ROWS]  # fmt: skip
@@ -238,8 +240,9 @@ def render_markdown(report: dict) -> str:
         "| --- | ---: |",
     ]
     lines += [f"| {label} | {value} |" for label, value in summary_rows(report)]
-    first = f"tree {report['tree']}" if report.get("tree") else "adaptive budget"
-    for suffix, title in (("", first), ("_fixed", "fixed chain"), ("_chain", "fixed chain"), ("_adaptive", "adaptive")):
+    first = "merged" if "+" in report["drafter"] else "adaptive budget"
+    first = f"tree {report['tree']}" if report.get("tree") else first
+    for suffix, title in [("", first), *TWIN_TITLES.items()]:
         if f"acceptance_by_position{suffix}" not in report:
             continue
         lines += ["", f"| draft position ({title}) | P(accepted) | drafts |", "| ---: | ---: | ---: |"]

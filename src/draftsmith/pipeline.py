@@ -55,6 +55,7 @@ class EvalStage(EvalConfig):
     """`eval` settings; the pipeline fills in the target, the trained drafter and the output directory."""
 
     fallback_dataset: str | None = None  # used when `dataset` is not available (a fresh machine without the data)
+    merge_with: list[str] = []  # training-free drafters verified beside the trained one (e.g. [ngram]; merged.py)
 
 
 class PipelineConfig(StageConfig):
@@ -259,10 +260,10 @@ class Runner:
     def _eval(self, out: Path) -> None:
         cfg = self.cfg.eval
         update = dict(
-            target=self.cfg.target, dtype=self.cfg.dtype, drafter=str(self.run_dir / "train"), out=out,
-            data_dir=self.data_dir, dataset=self.eval_dataset(),
+            target=self.cfg.target, dtype=self.cfg.dtype, out=out, data_dir=self.data_dir,
+            drafter="+".join([str(self.run_dir / "train"), *cfg.merge_with]), dataset=self.eval_dataset(),
         )  # fmt: skip
-        eval_cfg = EvalConfig(**(cfg.model_dump(exclude={"fallback_dataset"}) | update))
+        eval_cfg = EvalConfig(**(cfg.model_dump(exclude={"fallback_dataset", "merge_with"}) | update))
         run_stage.evaluate(eval_cfg, self.target)
 
     def eval_dataset(self) -> str:

@@ -196,8 +196,9 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     one report per drafter (the first in `cfg.out`, the others in `cfg.out/<name>`)."""
     from draftsmith.data.sources import load_eval_prompts
     from draftsmith.drafters import fixed_twin
+    from draftsmith.drafters.merged import MergedDrafter
     from draftsmith.evaluate import evaluate_drafters, merge_fixed, write_report
-    from draftsmith.formats.load import build_drafter, checkpoint_dir, trained_depth
+    from draftsmith.formats.load import build_drafter, checkpoint_dir, learned_part, trained_depth
     from draftsmith.tune import predicted_speeds, resolve_tree
 
     claim_dir(cfg.out, "eval")
@@ -205,7 +206,7 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     if cfg.engine == "llama.cpp":
         return [_evaluate_llamacpp(cfg, target, dataset, prompts)]
     specs = [cfg.drafter, *cfg.compare]
-    for spec in specs:
+    for spec in map(learned_part, specs):
         depth = trained_depth(spec) if Path(spec).is_dir() else None
         if depth is not None and cfg.num_draft_tokens > depth:
             warn(
@@ -217,8 +218,8 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     drafters = [build_drafter(s, target, dtype=cfg.dtype, draft_length=cfg.draft_length) for s in specs]
     twin = fixed_twin(drafters[0])  # a learned drafter's quality: the same drafter with a fixed chain
     if shape is not None:
-        # The tree, its drafter's fixed chain of --num-draft-tokens and (if adaptive) its adaptive chain, side by
-        # side against the same baseline runs.
+        # The tree, its drafter's fixed chain of --num-draft-tokens and (if adaptive or merged) its adaptive or
+        # merged chain, side by side against the same baseline runs.
         tree_drafter = build_drafter(cfg.drafter, target, dtype=cfg.dtype, tree=shape)
         chains = [twin, drafters[0]] if twin is not None else [drafters[0]]
         first = [tree_drafter, *chains]
@@ -234,7 +235,8 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
         )
         tree_report = merge_fixed(tree_report | {"tree": str(shape)}, chain_reports[0], "_chain")
         if twin is not None:
-            tree_report = merge_fixed(tree_report, chain_reports[1], "_adaptive")
+            suffix = "_merged" if isinstance(drafters[0], MergedDrafter) else "_adaptive"
+            tree_report = merge_fixed(tree_report, chain_reports[1], suffix)
         if cfg.tree.endswith(".json"):  # what tune predicted for both, to hold against what was measured
             tree_report |= predicted_speeds(Path(cfg.tree), shape, cfg.num_draft_tokens)
         reports = [tree_report, *chain_reports[len(chains) :]]
@@ -246,7 +248,8 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
         )
         reports = [merge_fixed(adaptive, fixed), *others]
     for i, (spec, report) in enumerate(zip(specs, reports, strict=True)):
-        report["drafter_checkpoint"] = str(checkpoint_dir(spec)) if Path(spec).is_dir() else None
+        learned = learned_part(spec)
+        report["drafter_checkpoint"] = str(checkpoint_dir(learned)) if Path(learned).is_dir() else None
         write_report(report, cfg.out if i == 0 else cfg.out / _safe_name(spec))
     return reports
 

@@ -45,9 +45,13 @@ def with_tree(drafter: Drafter, shape: TreeShape | None) -> Drafter:
     """Make a tree-capable drafter (EAGLE-3, n-gram) draft trees of `shape` from its next `begin` on: chains of
     `shape.depth` tokens when its top-k is 1 (EAGLE-3 then drafts the fixed chain), as before when None."""
     from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.merged import MergedDrafter
     from draftsmith.drafters.ngram import NgramDrafter
 
     if shape is None:
+        return drafter
+    if isinstance(drafter, MergedDrafter):  # the shape is the first part's; the others add their proposals
+        with_tree(drafter.parts[0], shape)
         return drafter
     if not isinstance(drafter, Eagle3Drafter | NgramDrafter):
         raise ConfigError(f"drafter {drafter.name} cannot draft trees", hint="use an EAGLE-3 or n-gram drafter")
@@ -59,10 +63,14 @@ def with_tree(drafter: Drafter, shape: TreeShape | None) -> Drafter:
 
 
 def fixed_twin(drafter: Drafter) -> Drafter | None:
-    """The same learned drafter (shared weights, its own state) drafting the full chain every round, when `drafter`
-    cuts its chains adaptively; None otherwise. Evaluation runs both: quality and end-to-end speed."""
+    """The same learned drafter (shared weights, its own state) drafting the full chain every round, alone, when
+    `drafter` cuts its chains adaptively or is merged with others; None otherwise. Evaluation runs both: the
+    learned drafter's quality and what the default policy makes of it end to end."""
     from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.merged import MergedDrafter
 
-    if not isinstance(drafter, Eagle3Drafter) or drafter.budget.is_fixed:
+    merged = isinstance(drafter, MergedDrafter)
+    learned = drafter.parts[0] if merged else drafter
+    if not isinstance(learned, Eagle3Drafter) or (learned.budget.is_fixed and not merged):
         return None
-    return Eagle3Drafter(drafter.model, drafter.name, DraftBudget.fixed())
+    return Eagle3Drafter(learned.model, learned.name, DraftBudget.fixed())

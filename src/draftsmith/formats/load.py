@@ -22,6 +22,7 @@ from draftsmith.drafters.eagle3 import (
     read_config,
     resolve_checkpoint,
 )
+from draftsmith.drafters.merged import MergedDrafter
 from draftsmith.errors import DraftsmithError
 from draftsmith.formats import sglang, speculators, zlab
 from draftsmith.formats.common import (
@@ -175,6 +176,12 @@ def trained_depth(path: str | Path) -> int | None:
     return int(depth) if depth else None
 
 
+def learned_part(spec: str) -> str:
+    """The first drafter of a merged spec `A+B+...` (the one the draft length and tree apply to); `spec` itself
+    when it names one drafter (an existing path may hold a '+')."""
+    return spec if Path(spec).exists() else spec.split("+")[0]
+
+
 def build_drafter(
     spec: str, target: Target, dtype: str = "float32", draft_length: str = "adaptive", tree: TreeShape | None = None
 ) -> Drafter:
@@ -182,7 +189,13 @@ def build_drafter(
     SGLang / EAGLE / z-lab export, converted on load; `dflash:DIR` says which) or a built-in drafter
     (`builtin_drafter`). EAGLE-3 chains are cut where the next token stops paying for itself
     (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed"). With a `tree`
-    shape, EAGLE-3 and n-gram drafters propose trees of that shape instead (a top-k of 1: a fixed chain)."""
+    shape, EAGLE-3 and n-gram drafters propose trees of that shape instead (a top-k of 1: a fixed chain).
+    `A+B` (e.g. `RUN_DIR+ngram`) verifies both drafters' proposals as one tree (drafters/merged.py); the draft
+    length and the tree shape apply to the first."""
+    if "+" in spec and not Path(spec).exists():
+        first, *rest = spec.split("+")
+        parts = [build_drafter(first, target, dtype, draft_length, tree)]
+        return MergedDrafter(parts + [build_drafter(s, target, dtype, "fixed") for s in rest])
     if not spec.startswith("dflash:") and not Path(spec).is_dir():
         return builtin_drafter(spec, target, dtype=dtype, tree=tree)
     if spec.startswith("dflash:"):

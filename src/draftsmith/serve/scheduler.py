@@ -37,6 +37,7 @@ import torch
 
 from draftsmith.decode.engine import Generation, SpeculativeDecoder
 from draftsmith.drafters.base import Drafter
+from draftsmith.drafters.merged import MergedDrafter
 from draftsmith.serve.metrics import ServerMetrics
 from draftsmith.serve.text import TextStream
 from draftsmith.target import Target
@@ -345,6 +346,8 @@ def fork_drafter(template: Drafter) -> Drafter:
     from the untouched template, so each request's drafts, and hence its samples at T>0, do not depend on which
     other requests ran before or beside it.
     """
+    if isinstance(template, MergedDrafter):
+        return MergedDrafter([fork_drafter(part) for part in template.parts])
     shared = (torch.nn.Module, torch.Tensor, Target)
     memo = {id(v): v for v in vars(template).values() if isinstance(v, shared)}
     with torch.inference_mode():
