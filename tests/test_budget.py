@@ -15,6 +15,8 @@ def test_budget_arithmetic():
     budget = DraftBudget(verify_cost=1.6, token_cost=0.1, step_cost=0.1)
     # A chain of 2 costs verify 1.6 + 1 further token 0.1 + 2 drafter steps 0.2 = 1.9 plain steps.
     assert budget.pays(expected=1.0, length=2) and not budget.pays(expected=0.8, length=2)
+    # Once drafted, the 0.2 of drafter steps is spent: the chain is worth its forward (1.7) at 0.8 expected tokens.
+    assert budget.worth_verifying(expected=0.8, length=2) and not budget.worth_verifying(expected=0.6, length=2)
     assert budget.continues(0.25) and not budget.continues(0.15)
     budget.record([0.9] * 10, [True, False] * 5)  # overconfident drafts: later confidences are scaled down
     assert budget.reach(1.0, 0.9) < 0.9

@@ -11,9 +11,10 @@ of trusting constants measured elsewhere; on a GPU they come out near (1, 0, ~0)
 
 A chain whose i-th token is accepted with probability P_i (the product of the drafter's per-step confidences)
 yields 1 + sum(P_i) tokens. Drafting continues while the next token's P_i exceeds its own cost, and the chain is
-proposed only if it beats plain decoding: 1 + sum(P_i) >= verify_cost + k * (token_cost + step_cost). After a chain
-that does not pay, the drafter rests for a growing number of rounds (its context positions are run later, in one
-batch), so on text it cannot predict it costs almost nothing.
+verified if it is worth its forward: 1 + sum(P_i) >= verify_cost + (k - 1) * token_cost (the drafter's steps are
+spent by then). A chain *pays* only if it also covers those steps: + k * step_cost. After a chain that does not pay,
+the drafter rests for a growing number of rounds (its context positions are run later, in one batch), so on text it
+cannot predict it costs almost nothing.
 
 Calibration. The drafter's softmax confidence c is only roughly calibrated (worse on unfamiliar text), so the
 model is P(token accepted | the chain reached it) = min(1, scale * c). `record` gets, for every drafted token whose
@@ -70,7 +71,12 @@ class DraftBudget:
     def pays(self, expected: float, length: int) -> bool:
         """Does a chain of `length` tokens with `expected` accepted ones beat one plain decode step? It costs the
         verify forward (which includes the first draft token), the further tokens in it, and a drafter step each."""
-        return 1.0 + expected >= self.verify_cost + (length - 1) * self.token_cost + length * self.step_cost
+        return self.worth_verifying(expected - length * self.step_cost, length)
+
+    def worth_verifying(self, expected: float, length: int) -> bool:
+        """Is a chain already drafted worth its verify forward? The drafter's steps are spent either way, so only
+        the forward's extra cost counts: a chain may be worth verifying without having paid for its drafting."""
+        return 1.0 + expected >= self.verify_cost + (length - 1) * self.token_cost
 
     def resting(self) -> bool:
         """Skip this round entirely (no drafter forward at all)? After a chain that did not pay the drafter rests

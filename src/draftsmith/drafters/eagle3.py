@@ -512,12 +512,12 @@ class Eagle3Drafter:
                 position = torch.tensor([self.context + i], device=self.device)
                 hidden, out_logits = model(embeds, hidden, position, self.cache)
                 logits = out_logits[0, -1]
-        reach = reach[1 : len(drafted) + 1]
-        paid = bool(drafted) and self.budget.pays(sum(reach), len(drafted))
-        self.budget.settle(paid)
-        if drafted:
-            self.last_chain = (len(tokens), torch.stack(drafted).tolist(), confidences)
-        if not paid:
+        expected = sum(reach[1 : len(drafted) + 1])
+        self.budget.settle(bool(drafted) and self.budget.pays(expected, len(drafted)))  # rest when drafting is a loss
+        if not drafted:
+            return Draft.empty()
+        self.last_chain = (len(tokens), torch.stack(drafted).tolist(), confidences)
+        if not self.budget.worth_verifying(expected, len(drafted)):
             return Draft.empty()
         probs = torch.stack(dists).cpu() if temperature > 0 else None
         return Draft(torch.stack(drafted).cpu(), probs)
