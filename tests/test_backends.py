@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftsmith.backends import get_backend
-from draftsmith.backends.batch import generate_batch
+from draftsmith.backends.batch import BatchDecoder, batched_attention, generate_batch
 from draftsmith.backends.hf import TransformersBackend
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.store import HiddenStateStore, extract
@@ -50,7 +50,7 @@ def test_vllm_backend_without_vllm_says_how_to_install(monkeypatch):
     assert "pip install vllm" in err.value.hint and "backend: transformers" in err.value.hint
     with pytest.raises(ConfigError, match="unknown backend 'sglang'"):
         get_backend("sglang", target)
-    with pytest.raises(ConfigError, match="takes no backend_options"):
+    with pytest.raises(ConfigError, match="takes only the backend_option dtype"):
         get_backend("transformers", target, {"tensor_parallel_size": 2})
 
 
@@ -68,6 +68,50 @@ def test_a_store_is_resumed_only_by_the_backend_that_started_it(tmp_path):
     assert "resume with backend other" in err.value.hint
     extract(target, samples, out, backend=Other(target), **kw)
     assert len(HiddenStateStore(out)) == 10
+
+
+def test_transformers_backend_computes_in_a_cast_copy_and_a_store_keeps_one_precision(tmp_path):
+    target = tiny_target(0)
+    backend = get_backend("transformers", target, {"dtype": "bfloat16"})
+    assert backend.target.model.dtype == torch.bfloat16 and target.model.dtype == torch.float32  # a copy
+    assert backend.target.fingerprint() == target.fingerprint()  # the weights it was cast from
+    assert backend.describe()["compute_dtype"] == "bfloat16"
+    assert get_backend("transformers", target, {"dtype": "float32"}).target is target  # nothing to cast
+    ids = torch.tensor([3, 4, 5, 6])
+    ((aux, _),) = backend.features([ids], LAYERS)
+    ref = target.forward(ids, target.new_cache(), LAYERS, logits_to_keep=1, last_hidden=True).aux_hidden
+    assert aux.dtype == torch.bfloat16 and not torch.equal(aux.float(), ref)
+    assert (aux.float() - ref).norm() < 0.1 * ref.norm()  # bf16 rounding through the layers, no more
+
+    samples, out = make_samples(10), tmp_path / "store"
+    kw = {"layer_ids": LAYERS, "shard_size": 4, "progress": False}
+    with pytest.raises(Killed):
+        extract(target, killed_after(samples, 6), out, **kw)
+    with pytest.raises(DraftsmithError, match="started by the transformers backend, this run uses transformers in bf"):
+        extract(target, samples, out, backend=backend, **kw)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "compute_dtype" not in manifest["backend"] and manifest["target_fingerprint"] == target.fingerprint()
+
+
+def test_decode_steps_over_the_whole_kv_buffer_equal_steps_over_its_used_part():
+    """bf16 decode steps read the whole zeroed KV buffer with the unwritten slots masked; in float32 that must give
+    the used part's logits, also after a row leaves the batch (a missing mask would weigh the empty slots)."""
+    target = tiny_target(3)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+
+    def run(whole: bool) -> list[torch.Tensor]:
+        with torch.inference_mode(), batched_attention(target.model):
+            decoder = BatchDecoder(target, prompts, 12, whole=whole)
+            logits = [decoder.logits]
+            for step in range(10):
+                tokens = decoder.logits.argmax(-1)
+                if step == 4:
+                    tokens = tokens[decoder.keep([0, 2])]
+                logits.append(decoder.step(tokens))
+        return logits
+
+    whole, used = run(True), run(False)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(whole, used, strict=True))
 
 
 def test_vllm_backend_glue_against_the_documented_api(tmp_path, monkeypatch):

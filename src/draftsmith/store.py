@@ -159,7 +159,7 @@ def extract(
         from draftsmith.backends.hf import TransformersBackend
 
         backend = TransformersBackend(target)
-    done = _existing_shards(out, header, target.name, backend.name)  # raises before any work on a mismatch
+    done = _existing_shards(out, header, target.name, engine_label(backend.describe()))  # raises on a mismatch
     n_done = sum(s["samples"] for s in done)
     per_token = bytes_per_token(target.hidden_size, len(ids), dtype)
 
@@ -380,6 +380,13 @@ def _write_manifest(out: Path, meta: dict, shards: list[dict], complete: bool) -
     return manifest
 
 
+def engine_label(backend: dict) -> str:
+    """Which engine computed a store, from its manifest's backend block: the name and any compute dtype it cast the
+    target to (a store holds the features of one engine at one precision)."""
+    name = backend.get("name", "transformers")
+    return f"{name} in {backend['compute_dtype']}" if backend.get("compute_dtype") else name
+
+
 def _existing_shards(out: Path, header: dict[str, str], target_name: str, backend: str) -> list[dict]:
     """The complete shards already in `out`, checked against what this run would write; [] for a new store."""
     if not out.exists():
@@ -397,7 +404,7 @@ def _existing_shards(out: Path, header: dict[str, str], target_name: str, backen
         if manifest.get("stage") != "extract":
             raise DraftsmithError(f"{out} holds a {manifest.get('stage')!r} stage, not a hidden-state store", hint=hint)
         _check_header(out, "manifest.json", _manifest_header(manifest), header, manifest.get("target"), target_name)
-        made_by = (manifest.get("backend") or {}).get("name", "transformers")
+        made_by = engine_label(manifest.get("backend") or {})
         if made_by != backend and manifest.get("shards"):
             raise DraftsmithError(
                 f"store {out} was started by the {made_by} backend, this run uses {backend}: one store must hold the "

@@ -61,12 +61,13 @@ def get_backend(name: str, target: Target, options: dict[str, Any] | None = None
     if name == "transformers":
         from draftsmith.backends.hf import TransformersBackend
 
-        if options:
+        extra = sorted(set(options or {}) - {"dtype"})
+        if extra:
             raise ConfigError(
-                f"the transformers backend takes no backend_options, found {sorted(options)}",
-                hint="remove backend_options, or use backend: vllm",
+                f"the transformers backend takes only the backend_option dtype, found {extra}",
+                hint="remove them, or use backend: vllm",
             )
-        return TransformersBackend(target)
+        return TransformersBackend(target, (options or {}).get("dtype"))
     if name == "vllm":
         from draftsmith.backends.vllm import VllmBackend
 

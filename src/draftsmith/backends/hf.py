@@ -1,7 +1,7 @@
 """The transformers backend: the target as `load_target` loaded it, on its own device, one process.
 
 Generation is `draftsmith.backends.batch.generate_batch` (a left-padded batch whose finished rows leave it);
-features are one `Target.forward` per sample with pre-hooks on the chosen decoder layers (see `draftsmith.target`
+features are one `Target.forward` per sample (in a cast copy of the target with `backend_options: {dtype: ...}`) with pre-hooks on the chosen decoder layers (see `draftsmith.target`
 for the layer-id convention). Both are what the data and extract stages did before backends existed, so stores
 and regenerations made by either are identical.
 """
@@ -21,8 +21,10 @@ from draftsmith.target import Target
 class TransformersBackend:
     name = "transformers"
 
-    def __init__(self, target: Target) -> None:
-        self.target = target
+    def __init__(self, target: Target, dtype: str | None = None) -> None:
+        """`dtype`: compute in a copy of the target cast to it (`Target.cast`; bf16 on a CPU with AMX)."""
+        self.target = target if dtype is None else target.cast(dtype)
+        self.compute_dtype = None if self.target is target else dtype
 
     def generate(
         self,
@@ -48,7 +50,8 @@ class TransformersBackend:
             yield out.aux_hidden, out.last_hidden
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "transformers": transformers.__version__, "torch": torch.__version__}
+        described = {"name": self.name, "transformers": transformers.__version__, "torch": torch.__version__}
+        return described | ({"compute_dtype": self.compute_dtype} if self.compute_dtype else {})
 
     def close(self) -> None:
         pass  # the target belongs to the caller, who uses it again

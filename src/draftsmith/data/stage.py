@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from draftsmith.data.regenerate import check_unique_ids
 from draftsmith.data.regenerate import regenerate as regenerate_conversations
+from draftsmith.backends.hf import TransformersBackend
 from draftsmith.data.selfchat import self_chat as write_self_chat
 from draftsmith.data.sources import KNOWN_DATASETS, Conversation, read_records, record_to_conversation
 from draftsmith.data.synth import SYNTH_KINDS, check_kinds, synthesize_prompts
@@ -125,9 +126,10 @@ def build_dataset(
         write_atomic(conversations_path, "".join(_jsonl(c) for c in conversations))
         write_atomic(manifest_path, _manifest(inputs, counts, complete=False, backend=backend))
 
-    if self_chat > 0:
+    if self_chat > 0:  # self-chat drives the model itself: the transformers backend's, cast to its dtype if asked
+        chat_target = backend.target if isinstance(backend, TransformersBackend) else target
         write_self_chat(
-            target, self_chat, chat_path, seed=seed, length=self_chat_length, batch_size=batch_size,
+            chat_target, self_chat, chat_path, seed=seed, length=self_chat_length, batch_size=batch_size,
             max_turn_tokens=max_new_tokens, temperature=temperature, kinds=synth_kinds,
         )  # fmt: skip
         counts = counts | {"self_chat": sum(1 for _ in read_records(chat_path))}
