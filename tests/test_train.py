@@ -240,3 +240,21 @@ def test_resume_with_a_store_of_other_layers_is_refused_in_one_line(tmp_path):
         run(cfg.model_copy(update={"max_steps": 4}), data, weights, other, tmp_path)
     first_line = str(err.value).splitlines()[0]
     assert "drafter aux_layer_ids=(0, 2, 3)" in first_line and "aux_layer_ids=(1, 2, 3)" in first_line
+
+
+def test_bf16_training_follows_float32_and_micro_batches_change_nothing(tmp_path):
+    """The CPU profiles train in bf16, four sequences a forward: the curve stays within bf16 rounding of float32's,
+    the full-vocabulary top-1 (computed in bf16 there) counts the same positions, and micro-batching the same global
+    batch gives float32's losses to float precision."""
+    _, data, weights, config = setup(count=8)
+    base = dict(max_steps=3, batch_size=4, lr=1e-2, warmup_steps=1, ttt_steps=2, eval_every=3, val_fraction=0.25)
+    runs = {
+        name: run(TrainConfig(**base, **extra), data, weights, config, tmp_path / name)
+        for name, extra in {"fp32": {}, "bf16": {"bf16": True}, "micro": {"micro_batch_size": 4}}.items()
+    }
+    fp32, bf16, micro = (curve(tmp_path / name) for name in ("fp32", "bf16", "micro"))
+    losses = [[r["loss"] for r in c if "loss" in r] for c in (fp32, bf16, micro)]
+    assert losses[0] != losses[1] and losses[1] == pytest.approx(losses[0], rel=0.05)
+    assert losses[2] == pytest.approx(losses[0], rel=1e-5)
+    assert runs["bf16"].val["positions"] == runs["fp32"].val["positions"]
+    assert abs(runs["bf16"].val["acc_0"] - runs["fp32"].val["acc_0"]) <= 0.25

@@ -110,7 +110,7 @@ class PreallocatedLayer(DynamicLayer):
         self._values[:, :, start:end] = value_states
         self.length = end
         self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
-        if self.whole and key_states.shape[-2] == 1:
+        if self.whole and end - start == 1 and start > 0:  # a decode step (a one-token prompt's prefill is not)
             return self._keys, self._values
         return self.keys, self.values
 
