@@ -22,9 +22,9 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from draftsmith.backends.hf import TransformersBackend
 from draftsmith.data.regenerate import check_unique_ids
 from draftsmith.data.regenerate import regenerate as regenerate_conversations
-from draftsmith.backends.hf import TransformersBackend
 from draftsmith.data.selfchat import self_chat as write_self_chat
 from draftsmith.data.sources import KNOWN_DATASETS, Conversation, read_records, record_to_conversation
 from draftsmith.data.synth import SYNTH_KINDS, check_kinds, synthesize_prompts
