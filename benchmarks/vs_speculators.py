@@ -54,7 +54,8 @@ residual stream entering decoder layer i (transformers' `hidden_states[i]`), whi
 (`--target`, default: the target the store records).
 
 **draftsmith's side** runs `draftsmith.stages.train` with `TrainConfig`: `ttt_steps` = `--chain`, the settings of
-the cpu profiles (batch 8, lr 1e-3, max_length 512), warm-up 5 % of the steps, four validations, and `max_steps` =
+the cpu profiles (batch 8 in forwards of 4, bf16 autocast as speculators', lr 1e-3, max_length 512, speculators'
+norm switches on), warm-up 5 % of the steps, four validations, and `max_steps` =
 the steps that fit the budget; `--ds-set key=value` overrides any of them.
 
 **Same wall-clock time**: each trainer first runs a short calibration (a few steps in a scratch directory, not
@@ -408,7 +409,8 @@ def worker_draftsmith(job: dict) -> dict:
     }
 
 
-DS_BASE = dict(batch_size=8, lr=1.0e-3, max_length=512)
+DS_BASE = dict(batch_size=8, micro_batch_size=4, bf16=True, lr=1.0e-3, max_length=512, norm_before_fc=True,
+               norm_before_residual=True, norm_output=True)  # fmt: skip
 
 
 def run_worker(kind: str, job: dict, log: Path) -> dict:

@@ -27,6 +27,7 @@ class DataConfig(StageConfig):
     synth_kinds: list[str] = list(SYNTH_KINDS)  # each synthesised prompt steered to one kind, in turns; [] = unsteered
     self_chat: int = Field(default=0, ge=0)  # chats the target writes both sides of (data/selfchat.py), synth_kinds
     self_chat_length: int = Field(default=512, ge=16)  # tokens per self-chat, template included
+    self_chat_user_temperature: float = Field(default=1.0, gt=0)  # the sampled user turns (replies stay greedy)
     limit: int | None = Field(default=None, ge=1)
     skip: int = Field(default=0, ge=0)  # records skipped at the start of each source: held out for evaluation
     hf_split: str = "train"
@@ -84,7 +85,8 @@ def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
     try:
         return build_dataset(
             resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth,
-            self_chat=cfg.self_chat, self_chat_length=cfg.self_chat_length, synth_kinds=cfg.synth_kinds,
+            self_chat=cfg.self_chat, self_chat_length=cfg.self_chat_length,
+            self_chat_user_temperature=cfg.self_chat_user_temperature, synth_kinds=cfg.synth_kinds,
             limit=cfg.limit, skip=cfg.skip, hf_split=cfg.hf_split, seed=cfg.seed,
             temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, backend=backend,
         )  # fmt: skip
