@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerFast
 from draftsmith.backends.batch import generate_batch
 from draftsmith.data.selfchat import FOLLOW_UPS, Template, self_chat
 from draftsmith.data.stage import build_dataset, load_stage_conversations
-from draftsmith.errors import ConfigError
+from draftsmith.errors import ConfigError, DataError
 from draftsmith.target import Target
 from tests.conftest import tiny_target
 
@@ -93,3 +93,19 @@ def test_the_data_stage_keeps_self_chats_beside_the_regenerated_conversations(tm
     assert manifest["counts"]["self_chat"] == 3 and manifest["config"]["self_chat_length"] == 40
     conversations = load_stage_conversations(out)
     assert len(conversations) == 5 and sum(c.id.startswith("chat-") for c in conversations) == 3
+
+
+def test_the_user_temperature_reaches_the_user_turns_and_guards_the_resume(tmp_path):
+    """A colder user writer writes other user turns; the manifest records it, so a store is never resumed at another."""
+    target = chat_target(seed=4)
+    users = {}
+    for t in (1.0, 0.05):
+        out = build_dataset([], tmp_path / f"data-{t}", target=target, self_chat=4, self_chat_length=60,
+                            self_chat_user_temperature=t, max_new_tokens=6, batch_size=4)  # fmt: skip
+        users[t] = [m["content"] for r in chats(out / "chat.jsonl") for m in r["messages"] if m["role"] == "user"]
+    assert users[1.0] != users[0.05]
+    manifest = json.loads((tmp_path / "data-0.05" / "manifest.json").read_text())
+    assert manifest["config"]["self_chat_user_temperature"] == 0.05
+    with pytest.raises(DataError, match="other sources, config or target"):
+        build_dataset([], tmp_path / "data-1.0", target=target, self_chat=4, self_chat_length=60,
+                      self_chat_user_temperature=0.05, max_new_tokens=6, batch_size=4)  # fmt: skip
