@@ -97,6 +97,7 @@ def build_dataset(
         }
         | ({"synth_kinds": list(synth_kinds)} if synth > 0 or self_chat > 0 else {})
         | ({"self_chat": self_chat, "self_chat_length": self_chat_length} if self_chat > 0 else {})
+        # recorded only when not the default, so stores made before the setting existed still resume
         | ({"self_chat_user_temperature": self_chat_user_temperature} if self_chat_user_temperature != 1.0 else {})
         | ({"skip": skip} if skip else {})
     )
