@@ -128,6 +128,40 @@ def test_learned_drafter_reports_fixed_chain_next_to_adaptive(tmp_path, capsys):
     assert report["by_kind"]["a"]["acceptance_length"] == pytest.approx(runs["a"]["acceptance_length"])
 
 
+def test_a_replayed_fixed_chain_accepts_what_the_timed_one_does(tmp_path):
+    """At T=0 `fixed_chain: replayed` replays the twin along the baseline's text instead of decoding: the same
+    acceptance, round for round, as the timed run, no speed figures; the other drafters keep their reports; with
+    sampling it is refused before any work."""
+    from draftsmith.errors import ConfigError
+    from draftsmith.stages import evaluate as run_eval
+    from draftsmith.train import TrainConfig
+    from tests.test_train import run, setup
+
+    target, data, weights, config = setup(count=6)
+    run(TrainConfig(max_steps=30, batch_size=2, ttt_steps=3, lr=3e-3, val_fraction=0), data, weights, config,
+        tmp_path / "run")  # fmt: skip
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{p}", "category": "{k}"}}\n' for p, k in
+                               [("t5 t9 t5 t9", "a"), ("t7 t8 t7", "b"), ("t3 t4 t5 t6", "a")]))  # fmt: skip
+    reports = {}
+    for mode in ("timed", "replayed"):
+        cfg = EvalConfig(drafter=str(tmp_path / "run"), dataset=str(prompts), max_new_tokens=24, num_draft_tokens=3,
+                         compare=["ngram"], fixed_chain=mode, out=tmp_path / mode)  # fmt: skip
+        reports[mode], ngram = run_eval(cfg, target)
+        assert ngram["drafter"].startswith("ngram") and ngram["mismatches"] == 0
+    timed, replayed = reports["timed"], reports["replayed"]
+    assert replayed["fixed_chain"] == "replayed" and replayed["speedup_fixed"] is None
+    assert sum(timed["acceptance_by_position_fixed"]) > 0  # the drafter accepts something, so the check means much
+    for key in ("acceptance_length_fixed", "acceptance_by_position_fixed", "drafts_by_position_fixed"):
+        assert replayed[key] == pytest.approx(timed[key]), key
+    assert replayed["by_kind_fixed"] == timed["by_kind_fixed"]
+    assert "fixed chain: speedup | - |" in (tmp_path / "replayed" / "report.md").read_text()
+    sampled = EvalConfig(drafter=str(tmp_path / "run"), dataset=str(prompts), temperature=0.7, fixed_chain="replayed",
+                         out=tmp_path / "sampled")  # fmt: skip
+    with pytest.raises(ConfigError, match="replayed needs --temperature 0"):
+        run_eval(sampled, target)
+
+
 def test_smollm2_tree_speculation_is_identical_to_generate(smollm2, tmp_path):
     """Tree verification through the real model's 4-D mask path, with its oneDNN-packed weights."""
     from draftsmith.decode.tree import TreeShape

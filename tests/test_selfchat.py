@@ -109,3 +109,33 @@ def test_the_user_temperature_reaches_the_user_turns_and_guards_the_resume(tmp_p
     with pytest.raises(DataError, match="other sources, config or target"):
         build_dataset([], tmp_path / "data-1.0", target=target, self_chat=4, self_chat_length=60,
                       self_chat_user_temperature=0.05, max_new_tokens=6, batch_size=4)  # fmt: skip
+
+
+def test_a_looping_reply_ends_before_it_repeats_an_ngram(tmp_path):
+    """With loop_ngram 3 every reply is the target's greedy reply cut just before its first repeated trigram."""
+    target = chat_target(seed=3)
+    template = Template(target)
+    out = self_chat(target, 6, tmp_path / "chat.jsonl", seed=1, length=80, batch_size=3, max_turn_tokens=12,
+                    loop_ngram=3, kinds=(), progress=False)  # fmt: skip
+    cut = 0
+    for record in chats(out):
+        prompt = list(template.start)
+        messages = record["messages"]
+        for user, reply in zip(messages[::2], messages[1::2], strict=True):
+            prompt += template.encode(user["content"]) + template.to_assistant
+            tokens = template.encode(reply["content"])
+            grams = [tuple(tokens[i : i + 3]) for i in range(len(tokens) - 2)]
+            assert len(set(grams)) == len(grams)  # no trigram twice inside a reply
+            [(greedy, _)] = generate_batch(
+                target, [prompt], temperature=0.0, max_new_tokens=12, stop_ids=template.ends_assistant
+            )
+            if len(prompt) + len(greedy) + 1 >= 80:  # the chat's length cut this reply short
+                break
+            assert greedy[: len(tokens)] == tokens
+            if len(tokens) < min(len(greedy), 12):  # cut by the loop rule: the next token repeats a trigram
+                assert tuple(greedy[len(tokens) - 2 : len(tokens) + 1]) in grams and reply["truncated"]
+                cut += 1
+            prompt += tokens + template.to_user
+    assert cut >= 2  # the random target loops, so the rule fired
+    with pytest.raises(ConfigError, match="loop_ngram >= 0"):
+        self_chat(target, 2, tmp_path / "c.jsonl", seed=0, loop_ngram=-1, progress=False)

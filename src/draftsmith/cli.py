@@ -59,6 +59,9 @@ def eval_cmd(
     top_p: float = 1.0,
     num_draft_tokens: Annotated[int, typer.Option(help="most draft tokens verified per target forward")] = 7,
     draft_length: Annotated[str, typer.Option(help="EAGLE-3: adaptive (stop when not paying) | fixed")] = "adaptive",
+    fixed_chain: Annotated[str, typer.Option(help="the fixed-chain twin: timed | replayed (T=0, no target run)")] = (
+        "timed"
+    ),
     compare: Annotated[list[str], typer.Option(help="more drafters against the same baseline runs")] = [],  # noqa: B006
     compare_limit: Annotated[int | None, typer.Option(help="run the --compare drafters on the first N only")] = None,
     tree: TreeOpt = None,

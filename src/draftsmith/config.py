@@ -37,6 +37,9 @@ class EvalConfig(StageConfig):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     num_draft_tokens: int = Field(default=7, ge=1, le=64)
     draft_length: Literal["adaptive", "fixed"] = "adaptive"  # EAGLE-3: cut chains that stop paying, or not
+    # An adaptive drafter's fixed-chain twin: timed beside it (speedup_fixed), or at T=0 replayed along the
+    # baseline's greedy text (the same acceptance, no speed figures, no extra target run per prompt)
+    fixed_chain: Literal["timed", "replayed"] = "timed"
     compare: list[str] = []  # more drafters measured against the same baseline runs (e.g. ngram)
     tree: str | None = None  # draft trees: "depth=D,topk=K,total=N", "auto" (a short tune), or a tune.json
     compare_limit: int | None = Field(default=None, ge=1)  # ... on the first N prompts only

@@ -71,12 +71,14 @@ def evaluate_drafters(
     cfg: EvalConfig,
     everywhere: int = 1,
     draft_tokens: Sequence[int] | None = None,
+    replayed: Drafter | None = None,
 ) -> list[dict]:
     """One report per drafter, all against the same baseline runs: per prompt, the baseline and each drafter run
     back to back in an order that rotates from prompt to prompt, so machine noise hits every contestant alike.
     The first `everywhere` drafters run on every prompt; the others on the first `cfg.compare_limit` prompts only
     (all when None), against the baseline runs of those prompts. `draft_tokens`: each drafter's most draft tokens
-    per round (a tree's total), default `cfg.num_draft_tokens`."""
+    per round (a tree's total), default `cfg.num_draft_tokens`. `replayed` (T=0): one more report, last, for a
+    drafter replayed along the baselines' text instead of run (`replayed_report`)."""
     encoded = [encode_chat(target.tokenizer, c.messages) for c in prompts]
     for conv, ids in zip(prompts, encoded, strict=True):
         target.check_fits(len(ids), cfg.max_new_tokens, where=f"prompt {conv.id!r} of {dataset}")
@@ -102,7 +104,7 @@ def evaluate_drafters(
                 else:
                     specs[c].append(decoders[c].generate(ids, cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed))
             progress.advance(task)
-    return [
+    reports = [
         _summarise(
             target,
             d,
@@ -113,6 +115,41 @@ def evaluate_drafters(
         )  # fmt: skip
         for d, k, runs in zip(drafters, draft_tokens, specs, strict=True)
     ]
+    if replayed is not None:
+        reports.append(replayed_report(target, replayed, prompts, encoded, [text for text, _ in baselines], cfg))
+    return reports
+
+
+def replayed_report(
+    target: Target,
+    drafter: Drafter,
+    prompts: list[Conversation],
+    encoded: list[list[int]],
+    texts: list[list[int]],
+    cfg: EvalConfig,
+) -> dict:
+    """A drafter's acceptance at T=0 without running it in the engine: each round replayed along the baseline's
+    greedy text (`tune.replay`; the output is that text whatever the drafts), for the cost of one target forward
+    per prompt instead of a decode. The speed fields are None: nothing was timed."""
+    from draftsmith.tune import along, replay
+
+    k = cfg.num_draft_tokens
+    proposed, accepted, counts = [0] * k, [0] * k, []
+    for ids, text in zip(encoded, texts, strict=True):
+        sizes, paths, _ = replay(drafter, along(target, drafter, ids, text, cfg.max_new_tokens), k)
+        for size, path in zip(sizes, paths, strict=True):
+            proposed[:size] = [n + 1 for n in proposed[:size]]
+            accepted[: len(path)] = [n + 1 for n in accepted[: len(path)]]
+        counts.append((len(text), 1 + len(paths)))  # the prefill's forward writes the first token
+    return {
+        "acceptance_length": sum(t for t, _ in counts) / sum(f for _, f in counts),
+        "acceptance_by_position": [a / p if p else 0.0 for a, p in zip(accepted, proposed, strict=True)],
+        "drafts_by_position": proposed,
+        "spec_tokens_per_s": None,
+        "speedup": None,
+        "mismatches": None,
+        "by_kind": _by_kind(prompts, counts),
+    }
 
 
 def _compared(cfg: EvalConfig, n: int) -> int:
@@ -145,7 +182,7 @@ def _summarise(target, drafter, dataset, prompts, cfg: EvalConfig, runs) -> dict
         "baseline_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps,
         "mismatches": sum(s.tokens != b for s, b, _ in runs) if cfg.temperature == 0 else None,
-        "by_kind": _by_kind(prompts, [s for s, _, _ in runs]),
+        "by_kind": _by_kind(prompts, [(len(s.tokens), s.target_forwards) for s, _, _ in runs]),
         "per_prompt": [
             {
                 "id": conv.id,
@@ -172,16 +209,14 @@ def merge_fixed(report: dict, fixed: dict, suffix: str = "_fixed") -> dict:
     return report | {f"{key}{suffix}": fixed[key] for key in FIXED_KEYS}
 
 
-def _by_kind(prompts: list[Conversation], runs: list[Generation]) -> dict[str, dict]:
-    """Acceptance length per kind of prompt (MT-bench category, ...): where a drafter carries and where not."""
-    kinds: dict[str, list[Generation]] = {}
-    for conv, run in zip(prompts, runs, strict=True):
-        kinds.setdefault(conv.kind or "unknown", []).append(run)
+def _by_kind(prompts: list[Conversation], counts: list[tuple[int, int]]) -> dict[str, dict]:
+    """Acceptance length per kind of prompt (MT-bench category, ...), from each prompt's (new tokens, target
+    forwards): where a drafter carries and where not."""
+    kinds: dict[str, list[tuple[int, int]]] = {}
+    for conv, count in zip(prompts, counts, strict=True):
+        kinds.setdefault(conv.kind or "unknown", []).append(count)
     return {
-        kind: {
-            "prompts": len(group),
-            "acceptance_length": sum(len(g.tokens) for g in group) / sum(g.target_forwards for g in group),
-        }
+        kind: {"prompts": len(group), "acceptance_length": sum(t for t, _ in group) / sum(f for _, f in group)}
         for kind, group in sorted(kinds.items())
     }
 
@@ -224,9 +259,14 @@ def summary_rows(report: dict) -> list[tuple[str, str]]:
     rows += [(label, key, fmt) for label, key, fmt in PREDICTED_ROWS if key in report]
     engine = report.get("engine")  # another engine's baseline is that engine without the drafter
     return [
-        (label.replace("model.generate", f"plain {engine}") if engine else label, fmt.format(report[key]))
+        (label.replace("model.generate", f"plain {engine}") if engine else label, _shown(fmt, report[key]))
         for label, key, fmt in rows
     ]
+
+
+def _shown(fmt: str, value: Any) -> str:
+    """A summary value; None (a replayed run's speed, a sampled run's mismatches) as not measured."""
+    return "-" if value is None else fmt.format(value)
 
 
 def render_markdown(report: dict) -> str:

@@ -28,6 +28,7 @@ class DataConfig(StageConfig):
     self_chat: int = Field(default=0, ge=0)  # chats the target writes both sides of (data/selfchat.py), synth_kinds
     self_chat_length: int = Field(default=512, ge=16)  # tokens per self-chat, template included
     self_chat_user_temperature: float = Field(default=1.0, gt=0)  # the sampled user turns (replies stay greedy)
+    self_chat_loop_ngram: int = Field(default=0, ge=0)  # N > 0: a reply ends before it repeats one of its N-grams
     limit: int | None = Field(default=None, ge=1)
     skip: int = Field(default=0, ge=0)  # records skipped at the start of each source: held out for evaluation
     hf_split: str = "train"
@@ -86,7 +87,8 @@ def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
         return build_dataset(
             resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth,
             self_chat=cfg.self_chat, self_chat_length=cfg.self_chat_length,
-            self_chat_user_temperature=cfg.self_chat_user_temperature, synth_kinds=cfg.synth_kinds,
+            self_chat_user_temperature=cfg.self_chat_user_temperature,
+            self_chat_loop_ngram=cfg.self_chat_loop_ngram, synth_kinds=cfg.synth_kinds,
             limit=cfg.limit, skip=cfg.skip, hf_split=cfg.hf_split, seed=cfg.seed,
             temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, backend=backend,
         )  # fmt: skip
@@ -206,6 +208,11 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     from draftsmith.tune import predicted_speeds, resolve_tree
 
     claim_dir(cfg.out, "eval")
+    if cfg.fixed_chain == "replayed" and cfg.temperature > 0:
+        raise ConfigError(
+            f"--fixed-chain replayed needs --temperature 0 (found {cfg.temperature}): only greedy output is the same "
+            "whatever the drafts", hint="use --fixed-chain timed when sampling"
+        )
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
     if cfg.engine == "llama.cpp":
         return [_evaluate_llamacpp(cfg, target, dataset, prompts)]
@@ -246,6 +253,9 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
         reports = [tree_report, *chain_reports[len(chains) :]]
     elif twin is None:
         reports = evaluate_drafters(target, drafters, dataset, prompts, cfg)
+    elif cfg.fixed_chain == "replayed":
+        adaptive, *others, fixed = evaluate_drafters(target, drafters, dataset, prompts, cfg, replayed=twin)
+        reports = [merge_fixed(adaptive, fixed) | {"fixed_chain": "replayed"}, *others]
     else:
         adaptive, fixed, *others = evaluate_drafters(
             target, [drafters[0], twin, *drafters[1:]], dataset, prompts, cfg, 2

@@ -125,11 +125,17 @@ class Replay:
     text: list[int]  # the new tokens
     features: torch.Tensor | None  # (prompt + new, aux width)
     prefill_s: float
+    max_new_tokens: int  # the decode's budget: the engine drafts up to it even where the text ends (EOS) sooner
 
 
 def record(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int) -> Replay:
     out = SpeculativeDecoder(target, NullDrafter(), 1).generate(prompt_ids, max_new_tokens)
-    full = torch.tensor(prompt_ids + out.tokens)
+    return along(target, drafter, prompt_ids, out.tokens, max_new_tokens)
+
+
+def along(target: Target, drafter: Drafter, prompt_ids: list[int], text: list[int], max_new_tokens: int) -> Replay:
+    """The replay of a greedy `text` already decoded after `prompt_ids`: one target forward for the features."""
+    full = torch.tensor(prompt_ids + text)
     features = None
     if drafter.aux_layer_ids:
         with torch.inference_mode():
@@ -138,7 +144,7 @@ def record(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_toke
     start = time.perf_counter()
     with torch.inference_mode():
         target.forward(torch.tensor(prompt_ids), cache, logits_to_keep=1)
-    return Replay(torch.tensor(prompt_ids), out.tokens, features, time.perf_counter() - start)
+    return Replay(torch.tensor(prompt_ids), text, features, time.perf_counter() - start, max_new_tokens)
 
 
 def replay(drafter: Drafter, run: Replay, max_tokens: int) -> tuple[list[int], list[tuple[int, ...]], float]:
@@ -151,7 +157,7 @@ def replay(drafter: Drafter, run: Replay, max_tokens: int) -> tuple[list[int], l
     n, sizes, paths, seconds = p + 1, [], [], 0.0
     gen = torch.Generator().manual_seed(0)
     while n < len(seq):
-        k = min(max_tokens, len(seq) - n - 1)
+        k = min(max_tokens, run.max_new_tokens - (n - p) - 1)
         ranks: tuple[int, ...] = ()
         sizes.append(0)
         if k > 0:

@@ -64,6 +64,7 @@ class _Row:
     turn: list[int] = field(default_factory=list)
     role: str = "user"
     forced: list[tuple[int, bool]] = field(default_factory=list)  # (token, part of the turn's text)
+    ngrams: set[tuple[int, ...]] = field(default_factory=set)  # the reply's n-grams so far (loop detection)
 
 
 class Template:
@@ -105,15 +106,21 @@ def self_chat(
     max_turn_tokens: int = 256,
     temperature: float = 0.0,
     user_temperature: float = 1.0,
+    loop_ngram: int = 0,
     kinds: tuple[str, ...] | list[str] = tuple(KINDS),
     progress: bool = True,
 ) -> Path:
     """Write `n` self-chats of `length` tokens each (template included) to `out_path`; resumes. Kinds take turns
-    (`chat-code-00004`); an assistant turn longer than `max_turn_tokens` is cut and marked `"truncated": true`."""
-    if n < 0 or batch_size < 1 or length < 16 or max_turn_tokens < 1 or user_temperature <= 0:
+    (`chat-code-00004`); an assistant turn longer than `max_turn_tokens` is cut and marked `"truncated": true`.
+
+    `loop_ngram` N > 0 also cuts a reply (marked the same) when its next token would repeat one of its earlier
+    N-grams: a small target's greedy replies often loop, and every token of a loop is a token of data that teaches
+    nothing new (45 % of the first 128 tokens of the demo's replies were trigram copies, 15 % on MT-bench)."""
+    if n < 0 or batch_size < 1 or length < 16 or max_turn_tokens < 1 or user_temperature <= 0 or loop_ngram < 0:
         raise ConfigError(
-            f"self-chat needs n >= 0, batch_size >= 1, length >= 16, max_turn_tokens >= 1 and a user temperature "
-            f"above 0; found {n}, {batch_size}, {length}, {max_turn_tokens}, {user_temperature}",
+            f"self-chat needs n >= 0, batch_size >= 1, length >= 16, max_turn_tokens >= 1, a user temperature "
+            f"above 0 and loop_ngram >= 0; found {n}, {batch_size}, {length}, {max_turn_tokens}, {user_temperature}, "
+            f"{loop_ngram}",
             hint="fix the self_chat settings",
         )
     if length > target.context_length:
@@ -136,7 +143,7 @@ def self_chat(
             began = time.perf_counter()
             rows = _write_batch(
                 target, template, [names[i] for i in batch], random.Random(f"{seed}/{start}"), length,
-                max_turn_tokens, temperature, user_temperature,
+                max_turn_tokens, temperature, user_temperature, loop_ngram,
             )  # fmt: skip
             seconds += time.perf_counter() - began
             tokens += len(batch) * length
@@ -162,6 +169,7 @@ def _write_batch(
     max_turn_tokens: int,
     temperature: float,
     user_temperature: float,
+    loop_ngram: int,
 ) -> list[_Row]:
     """One batch of chats, every row decoded for the same number of steps (no row ever leaves)."""
     torch.manual_seed(rng.getrandbits(63))
@@ -188,7 +196,7 @@ def _write_batch(
             writers = [i for i, row in enumerate(rows) if row.role == "user" and not row.forced]
             sampled = choose(decoder.logits[writers], user_temperature).tolist() if writers else []
             chosen = dict(enumerate(greedy)) | dict(zip(writers, sampled, strict=True))
-            feed = [_advance(row, chosen[i], template, rng, max_turn_tokens) for i, row in enumerate(rows)]
+            feed = [_advance(row, chosen[i], template, rng, max_turn_tokens, loop_ngram) for i, row in enumerate(rows)]
             if step < steps - 1:
                 decoder.step(torch.tensor(feed))
     for row in rows:  # the turn in progress: a cut reply is kept (marked); a user message without a reply goes
@@ -199,16 +207,19 @@ def _write_batch(
     return rows
 
 
-def _advance(row: _Row, chosen: int, template: Template, rng: random.Random, max_turn_tokens: int) -> int:
+def _advance(
+    row: _Row, chosen: int, template: Template, rng: random.Random, max_turn_tokens: int, loop_ngram: int = 0
+) -> int:
     """The token this row feeds next: a forced one if any is queued, else `chosen`, ending the turn on a stop
-    token or at the length cap (then the template's separator and the next turn's opener are queued)."""
+    token, at the length cap or (replies) before a repeated `loop_ngram`-gram; then the template's separator and
+    the next turn's opener are queued."""
     if row.forced:
         token, in_turn = row.forced.pop(0)
         if in_turn:
             row.turn.append(token)
         return token
     ends = template.ends_user if row.role == "user" else template.ends_assistant
-    capped = len(row.turn) >= max_turn_tokens
+    capped = len(row.turn) >= max_turn_tokens or (row.role == "assistant" and _loops(row, chosen, loop_ngram))
     if chosen not in ends and not capped:
         row.turn.append(chosen)
         return chosen
@@ -223,8 +234,19 @@ def _advance(row: _Row, chosen: int, template: Template, rng: random.Random, max
         row.messages.append({"role": "user", "content": template.decode(row.turn).strip()})
         row.forced = [(t, False) for t in template.to_assistant]
         row.role = "assistant"
-    row.turn = []
-    return _advance(row, chosen, template, rng, max_turn_tokens)
+    row.turn, row.ngrams = [], set()
+    return _advance(row, chosen, template, rng, max_turn_tokens, loop_ngram)
+
+
+def _loops(row: _Row, chosen: int, n: int) -> bool:
+    """Whether `chosen` completes an n-gram the reply in progress already holds (recording it if not)."""
+    if n <= 0 or len(row.turn) < n - 1:
+        return False
+    gram = (*row.turn[len(row.turn) - n + 1 :], chosen)
+    if gram in row.ngrams:
+        return True
+    row.ngrams.add(gram)
+    return False
 
 
 def _opener(rng: random.Random, kind: str | None) -> str:
