@@ -211,7 +211,8 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     if cfg.fixed_chain == "replayed" and cfg.temperature > 0:
         raise ConfigError(
             f"--fixed-chain replayed needs --temperature 0 (found {cfg.temperature}): only greedy output is the same "
-            "whatever the drafts", hint="use --fixed-chain timed when sampling"
+            "whatever the drafts",
+            hint="use --fixed-chain timed when sampling",
         )
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
     if cfg.engine == "llama.cpp":

@@ -67,9 +67,9 @@ def build_dataset(
     `synth` adds N prompts the target writes itself, spread evenly over `synth_kinds` (see `draftsmith.data.synth`;
     empty: unsteered pre-query samples); `self_chat` adds N multi-turn chats of `self_chat_length` tokens the target
     writes both sides of, over the same kinds, its user turns sampled at `self_chat_user_temperature`, its replies
-    cut before they repeat a `self_chat_loop_ngram`-gram when that is above 0 (see `draftsmith.data.selfchat`; resumable). `temperature`,
-    `max_new_tokens` (also the cap on a self-chat reply) and `batch_size` drive the regeneration (synthesis samples
-    at its own defaults, since a greedy prompt writer writes one prompt).
+    cut before they repeat a `self_chat_loop_ngram`-gram when that is above 0 (see `draftsmith.data.selfchat`;
+    resumable). `temperature`, `max_new_tokens` (also the cap on a self-chat reply) and `batch_size` drive the
+    regeneration (synthesis samples at its own defaults, since a greedy prompt writer writes one prompt).
     `backend` runs the target for synthesis and regeneration (default: transformers; the manifest records it).
     """
     if not sources and synth <= 0 and self_chat <= 0:
