@@ -4,8 +4,9 @@ Every variant trains from the same extract store and draft vocabulary for the sa
 seed, so the same batches), starting from the base recipe with one setting changed. It prints, per variant, the
 validation top-1 per draft step (full vocabulary, what greedy verification accepts), the validation expected
 length, and tau_fixed: tokens per target forward with a fixed chain of `--chain` on the first `--prompts` MT-bench
-first turns, T=0, 128 new tokens — measured by running the engine, so it is the drafter's real quality on prompts it
-did not train on. Nothing is timed: the numbers do not depend on the machine's load.
+first turns, T=0, 128 new tokens — replayed along the target's greedy replies exactly as the engine accepts, so it
+is the drafter's real quality on prompts it did not train on. Nothing is timed: the numbers do not depend on the
+machine's load.
 
     .venv/bin/python benchmarks/recipe_ablation.py --store runs/abl/extract --vocab runs/abl/vocab \\
         [--steps 100] [--variants base,head:freeze_lm_head=false,...] [--out runs/ablation]
@@ -23,9 +24,12 @@ from pathlib import Path
 import torch
 import yaml
 
+from draftsmith.config import EvalConfig
 from draftsmith.data.sources import load_eval_prompts
 from draftsmith.data.tokenize import encode_chat
 from draftsmith.decode.engine import SpeculativeDecoder
+from draftsmith.drafters.base import NullDrafter
+from draftsmith.evaluate import replayed_report
 from draftsmith.formats.load import build_drafter
 from draftsmith.stages import train
 from draftsmith.target import load_target
@@ -54,18 +58,20 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return name, changes
 
 
-def tau_fixed(run_dir: Path, target, prompts, chain: int, max_new_tokens: int) -> tuple[float, list[float]]:
-    """Tokens per target forward with a fixed chain, and acceptance by position, over the prompts."""
+def greedy_texts(target, encoded: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy replies, decoded once for every variant (at T=0 the output does not depend on drafts)."""
+    decoder = SpeculativeDecoder(target, NullDrafter(), 1)
+    return [decoder.generate(ids, max_new_tokens).tokens for ids in encoded]
+
+
+def tau_fixed(run_dir: Path, target, prompts, encoded, texts, chain: int, max_new_tokens: int):
+    """Tokens per target forward with a fixed chain, and acceptance by position, over the prompts: each round
+    replayed along the greedy replies (`evaluate.replayed_report`, which accepts exactly what the engine does at
+    T=0: tests/test_eval.py), so a variant costs one target forward per prompt, not a decode."""
     drafter = build_drafter(str(run_dir), target, draft_length="fixed")
-    decoder = SpeculativeDecoder(target, drafter, chain)
-    tokens = forwards = 0
-    proposed, accepted = [0] * chain, [0] * chain
-    for conv in prompts:
-        out = decoder.generate(encode_chat(target.tokenizer, conv.messages), max_new_tokens)
-        tokens, forwards = tokens + len(out.tokens), forwards + out.target_forwards
-        proposed = [a + b for a, b in zip(proposed, out.proposed, strict=True)]
-        accepted = [a + b for a, b in zip(accepted, out.accepted, strict=True)]
-    return tokens / forwards, [a / p if p else 0.0 for a, p in zip(accepted, proposed, strict=True)]
+    cfg = EvalConfig(num_draft_tokens=chain, max_new_tokens=max_new_tokens)
+    report = replayed_report(target, drafter, prompts, encoded, texts, cfg)
+    return report["acceptance_length"], report["acceptance_by_position"]
 
 
 def main() -> int:
@@ -86,13 +92,15 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     target = load_target(args.target)
     _, prompts = load_eval_prompts("mt_bench", args.data_dir, args.prompts)
+    encoded = [encode_chat(target.tokenizer, conv.messages) for conv in prompts]
+    texts = greedy_texts(target, encoded, args.max_new_tokens)
     base = BASE | {"max_steps": args.steps} | parse_variant("base:" + ",".join(args.set))[1]
     rows = []
     for text in args.variants.split(";"):
         name, changes = parse_variant(text)
         cfg = TrainConfig.checked(**(base | changes))
         result = train(cfg, args.store, args.vocab, args.out / name, target, fresh=True)
-        tau, by_position = tau_fixed(args.out / name, target, prompts, args.chain, args.max_new_tokens)
+        tau, by_position = tau_fixed(args.out / name, target, prompts, encoded, texts, args.chain, args.max_new_tokens)
         val = result.val or {}
         best = max((r for r in _val_rows(args.out / name)), key=lambda r: r["expected_length"], default=val)
         row = {
