@@ -81,6 +81,12 @@ def test_cli_rejects_bad_options_before_loading_anything(tmp_path):
     assert result.exit_code == 2 and "unknown drafter" in result.output
 
 
+def test_cli_refuses_a_replayed_fixed_chain_when_sampling_before_the_target_loads(tmp_path, monkeypatch):
+    monkeypatch.setattr("draftsmith.target.load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    result = run_cli("--fixed-chain", "replayed", "--temperature", "0.7", "--out", str(tmp_path / "eval"))
+    assert result.exit_code == 2 and "replayed needs --temperature 0" in result.output
+
+
 @pytest.mark.integration
 def test_smollm2_greedy_speculation_is_identical_to_generate(smollm2, tmp_path):
     prompts = chats(

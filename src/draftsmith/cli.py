@@ -101,9 +101,10 @@ def _claim(out: Path, stage: str, overwrite: bool) -> None:
 
 def run_eval(cfg) -> dict:
     from draftsmith.evaluate import print_report
-    from draftsmith.stages import evaluate
+    from draftsmith.stages import check_eval, evaluate
     from draftsmith.target import load_target
 
+    check_eval(cfg)
     reports = evaluate(cfg, load_target(cfg.target, dtype=cfg.dtype))
     for report in reports:
         print_report(report, Console())

@@ -197,6 +197,16 @@ def _features(source: Path, target: Target | None, layers=None, max_length: int 
     return OnlineFeatures(target, source, layers, max_length)
 
 
+def check_eval(cfg: EvalConfig) -> None:
+    """The settings that cannot work together, refused before the target loads."""
+    if cfg.fixed_chain == "replayed" and cfg.temperature > 0:
+        raise ConfigError(
+            f"--fixed-chain replayed needs --temperature 0 (found {cfg.temperature}): only greedy output is the same "
+            "whatever the drafts",
+            hint="use --fixed-chain timed when sampling",
+        )
+
+
 def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     """Evaluate `cfg.drafter` and every drafter in `cfg.compare` against one shared, interleaved baseline; write
     one report per drafter (the first in `cfg.out`, the others in `cfg.out/<name>`)."""
@@ -208,12 +218,7 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     from draftsmith.tune import predicted_speeds, resolve_tree
 
     claim_dir(cfg.out, "eval")
-    if cfg.fixed_chain == "replayed" and cfg.temperature > 0:
-        raise ConfigError(
-            f"--fixed-chain replayed needs --temperature 0 (found {cfg.temperature}): only greedy output is the same "
-            "whatever the drafts",
-            hint="use --fixed-chain timed when sampling",
-        )
+    check_eval(cfg)
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.limit)
     if cfg.engine == "llama.cpp":
         return [_evaluate_llamacpp(cfg, target, dataset, prompts)]
