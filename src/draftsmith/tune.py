@@ -129,22 +129,29 @@ class Replay:
 
 
 def record(target: Target, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int) -> Replay:
+    """Decode `prompt_ids` greedily and time its prefill alone (tune's cost model counts it once per prompt)."""
     out = SpeculativeDecoder(target, NullDrafter(), 1).generate(prompt_ids, max_new_tokens)
-    return along(target, drafter, prompt_ids, out.tokens, max_new_tokens)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        target.forward(torch.tensor(prompt_ids), target.new_cache(), logits_to_keep=1)
+    return along(target, drafter, prompt_ids, out.tokens, max_new_tokens, time.perf_counter() - start)
 
 
-def along(target: Target, drafter: Drafter, prompt_ids: list[int], text: list[int], max_new_tokens: int) -> Replay:
+def along(
+    target: Target,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    text: list[int],
+    max_new_tokens: int,
+    prefill_s: float = 0.0,
+) -> Replay:
     """The replay of a greedy `text` already decoded after `prompt_ids`: one target forward for the features."""
-    full = torch.tensor(prompt_ids + text)
     features = None
     if drafter.aux_layer_ids:
         with torch.inference_mode():
+            full = torch.tensor(prompt_ids + text)
             features = target.forward(full, target.new_cache(), drafter.aux_layer_ids, logits_to_keep=1).aux_hidden
-    cache = target.new_cache()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        target.forward(torch.tensor(prompt_ids), cache, logits_to_keep=1)
-    return Replay(torch.tensor(prompt_ids), text, features, time.perf_counter() - start, max_new_tokens)
+    return Replay(torch.tensor(prompt_ids), text, features, prefill_s, max_new_tokens)
 
 
 def replay(drafter: Drafter, run: Replay, max_tokens: int) -> tuple[list[int], list[tuple[int, ...]], float]:
