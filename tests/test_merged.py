@@ -1,5 +1,6 @@
 """A learned drafter and the n-gram drafter verified as one tree: the merge keeps every proposal's paths, shares
-deterministic prefixes, keeps sampled proposals apart with their q, and stays lossless greedy and sampling."""
+deterministic prefixes, keeps sampled proposals apart with their q, and stays lossless greedy and sampling. Taking
+turns (`take_turns`), the n-gram drafter drafts the rounds it speaks in, alone, and the learned one the others."""
 
 import pytest
 import torch
@@ -61,17 +62,18 @@ def test_sampled_drafts_keep_their_own_subtree_and_q():
     assert torch.equal(merged.probs[2:], torch.nn.functional.one_hot(torch.tensor([5, 6, 7]), 10).float())
 
 
-def learned_and_ngram(seed: int, shape: tree.TreeShape | None = None):
+def learned_and_ngram(seed: int, shape: tree.TreeShape | None = None, take_turns: bool = False):
     target = tiny_target(seed)
     eagle = Eagle3Drafter(make_model(target, seed=seed), tree=shape)
-    return target, MergedDrafter([eagle, NgramDrafter(break_even=0.0)])
+    return target, MergedDrafter([eagle, NgramDrafter(break_even=0.0)], take_turns)
 
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("shape", [None, "depth=3,topk=2,total=6"])
-def test_greedy_merged_output_equals_generate(seed, shape):
+@pytest.mark.parametrize("take_turns", [False, True])
+def test_greedy_merged_output_equals_generate(seed, shape, take_turns):
     shape = None if shape is None else tree.TreeShape.parse(shape)
-    target, drafter = learned_and_ngram(seed, shape)
+    target, drafter = learned_and_ngram(seed, shape, take_turns)
     prompt = [0, 5, 9, 5, 9, 12] + torch.randint(2, 90, (4,), generator=torch.Generator().manual_seed(seed)).tolist()
     decoder = SpeculativeDecoder(target, drafter, 4 if shape is None else shape.total)
     out = decoder.generate(prompt, 40)
@@ -92,6 +94,46 @@ def test_merged_spec_builds_from_a_run_directory(tmp_path):
     assert SpeculativeDecoder(target, drafter, 6).generate(prompt, 30).tokens == reference(target, prompt, 30)
 
 
+class Spy:
+    """Records which rounds a drafter was asked to propose in."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.asked = drafter, []
+        self.name, self.aux_layer_ids = drafter.name, drafter.aux_layer_ids
+
+    def begin(self, prompt, features):
+        self.drafter.begin(prompt, features)
+
+    def propose(self, tokens, max_tokens, temperature, generator):
+        draft = self.drafter.propose(tokens, max_tokens, temperature, generator)
+        self.asked.append((len(tokens), len(draft.tokens)))
+        return draft
+
+    def accepted(self, num_accepted, features):
+        self.drafter.accepted(num_accepted, features)
+
+
+def test_taking_turns_the_learned_drafter_drafts_only_where_the_lookup_is_silent():
+    target = tiny_target(2)
+    eagle, lookup = Spy(Eagle3Drafter(make_model(target, seed=2))), Spy(NgramDrafter(break_even=0.0))
+    prompt = [0, 5, 9, 5, 9, 12, 5, 9, 12, 7]
+    out = SpeculativeDecoder(target, MergedDrafter([eagle, lookup], take_turns=True), 4).generate(prompt, 40)
+    assert out.tokens == reference(target, prompt, 40)
+    spoken = {at for at, n in lookup.asked if n}
+    assert spoken and len(lookup.asked) == out.target_forwards - 1  # asked every round after the prefill's
+    assert {at for at, _ in eagle.asked} == {at for at, _ in lookup.asked} - spoken  # the rounds it was silent in
+
+
+def test_merged_spec_with_a_bar_takes_turns(tmp_path):
+    target = tiny_target(1)
+    save_checkpoint(make_model(target, seed=1), tmp_path / "checkpoints" / "step-000003")
+    (tmp_path / "latest").write_text("checkpoints/step-000003\n")
+    drafter = build_drafter(f"{tmp_path}|ngram", target, draft_length="fixed")
+    assert isinstance(drafter, MergedDrafter) and drafter.take_turns and "|" in drafter.name
+    assert fork_drafter(drafter).take_turns
+    assert not build_drafter(f"{tmp_path}+ngram", target, draft_length="fixed").take_turns
+
+
 def test_merging_two_learned_drafters_is_an_error():
     target = tiny_target(0)
     eagle = Eagle3Drafter(make_model(target))
@@ -108,11 +150,13 @@ def test_fork_gives_each_request_its_own_parts_and_shares_the_weights():
     assert fork.parts[0].model is drafter.parts[0].model
 
 
-def test_merged_sampling_matches_target_joint():
-    """A sampled proposal (a small LM at T=1) beside a deterministic one (n-gram): siblings from different q."""
+@pytest.mark.parametrize("take_turns", [False, True])
+def test_merged_sampling_matches_target_joint(take_turns):
+    """A sampled proposal (a small LM at T=1) beside a deterministic one (n-gram): siblings from different q, or
+    (taking turns) rounds drafted from a point mass and rounds drafted from q."""
     target = tiny_target(seed=3, vocab_size=5, layers=2, init_std=0.5)
     draft = tiny_target(seed=4, vocab_size=5, layers=2, init_std=0.5)
-    drafter = MergedDrafter([ModelDrafter(draft, target), NgramDrafter(break_even=0.0)])
+    drafter = MergedDrafter([ModelDrafter(draft, target), NgramDrafter(break_even=0.0)], take_turns)
     decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=2)
     prompt, runs = [2, 3, 4, 2, 3], 3000
     counts: dict[tuple[int, ...], int] = {}

@@ -73,6 +73,11 @@ def test_run_chains_the_stages_and_resumes_only_what_changed(tmp_path):
     assert changed.exit_code == 0, changed.output
     assert changed.output.count("skipped") == 3 and "starting it over" in changed.output
     assert (run_dir / "train" / "latest").read_text().strip().endswith("step-000006")
+    turns = invoke(app, ["run", str(pipeline), "--out", str(run_dir), "--set", "train.max_steps=6",
+                         "--set", "eval.merge_with=[ngram]", "--set", "eval.merge=turns"])  # fmt: skip
+    assert turns.exit_code == 0 and turns.output.count("skipped") == 4, turns.output  # only eval re-runs
+    merged = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert merged["drafter"].endswith("|ngram[1-4]") and merged["mismatches"] == 0
     table = invoke(app, ["status", str(run_dir)])
     assert table.exit_code == 0 and table.output.count("completed") == 5
 

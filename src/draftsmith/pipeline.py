@@ -55,7 +55,8 @@ class EvalStage(EvalConfig):
     """`eval` settings; the pipeline fills in the target, the trained drafter and the output directory."""
 
     fallback_dataset: str | None = None  # used when `dataset` is not available (a fresh machine without the data)
-    merge_with: list[str] = []  # training-free drafters verified beside the trained one (e.g. [ngram]; merged.py)
+    merge_with: list[str] = []  # training-free drafters beside the trained one (e.g. [ngram]; drafters/merged.py)
+    merge: Literal["tree", "turns"] = "tree"  # verify every proposal as one tree, or one drafter a round (`A|B`)
 
 
 class PipelineConfig(StageConfig):
@@ -261,9 +262,10 @@ class Runner:
         cfg = self.cfg.eval
         update = dict(
             target=self.cfg.target, dtype=self.cfg.dtype, out=out, data_dir=self.data_dir,
-            drafter="+".join([str(self.run_dir / "train"), *cfg.merge_with]), dataset=self.eval_dataset(),
+            drafter=("+" if cfg.merge == "tree" else "|").join([str(self.run_dir / "train"), *cfg.merge_with]),
+            dataset=self.eval_dataset(),
         )  # fmt: skip
-        eval_cfg = EvalConfig(**(cfg.model_dump(exclude={"fallback_dataset", "merge_with"}) | update))
+        eval_cfg = EvalConfig(**(cfg.model_dump(exclude={"fallback_dataset", "merge_with", "merge"}) | update))
         run_stage.evaluate(eval_cfg, self.target)
 
     def eval_dataset(self) -> str:

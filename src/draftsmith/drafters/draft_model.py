@@ -51,5 +51,8 @@ class ModelDrafter:
         return Draft(torch.tensor(drafted, dtype=torch.long), torch.stack(dists) if dists else None)
 
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:
-        # The cache ran on every draft token but the last; keep those the target accepted.
-        rollback(self.cache, self._base + min(num_accepted, self._drafted - 1))
+        # The cache ran on every draft token but the last; keep those the target accepted. A round another drafter
+        # drafted (a merge taking turns) left the cache on confirmed tokens only: nothing to undo.
+        if self._drafted:
+            rollback(self.cache, self._base + min(num_accepted, self._drafted - 1))
+        self._drafted = 0

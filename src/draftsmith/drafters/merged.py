@@ -9,6 +9,11 @@ Deterministic proposals (greedy chains, EAGLE-2 trees, n-gram lookups) merge int
 verified once, and siblings keep the order of the drafters. A sampled proposal keeps its own subtree with its
 distributions q; the deterministic nodes beside it get point masses, which multi-candidate rejection sampling
 handles losslessly (decode/tree.py), so the merge never changes the output distribution.
+
+Taking turns (`RUN_DIR|ngram`) the drafters take turns instead: the training-free ones are asked first and the
+first that proposes drafts the round alone; the learned drafter drafts only the rounds where they are silent. A
+lookup that speaks has matched a repeat and is cheap; the learned drafter's chain costs several of its forwards, so
+it is spent where nothing cheaper has a guess. The learned drafter still hears every confirmed token's features.
 """
 
 import torch
@@ -20,7 +25,7 @@ from draftsmith.errors import ConfigError
 class MergedDrafter:
     """The drafter protocol over several drafters; at most one of them reads target features."""
 
-    def __init__(self, parts: list[Drafter]) -> None:
+    def __init__(self, parts: list[Drafter], take_turns: bool = False) -> None:
         learned = [d for d in parts if d.aux_layer_ids]
         if len(parts) < 2 or len(learned) > 1:
             names = ", ".join(d.name for d in parts)
@@ -29,7 +34,8 @@ class MergedDrafter:
                 hint="merge one learned drafter (EAGLE-3 or DFlash) with training-free ones, e.g. RUN_DIR+ngram",
             )
         self.parts = parts
-        self.name = "+".join(d.name for d in parts)
+        self.take_turns = take_turns  # one drafter a round, the training-free ones first (see the module docstring)
+        self.name = ("|" if take_turns else "+").join(d.name for d in parts)
         self.aux_layer_ids: tuple[int, ...] = learned[0].aux_layer_ids if learned else ()
 
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
@@ -37,7 +43,13 @@ class MergedDrafter:
             part.begin(prompt, features if part.aux_layer_ids else None)
 
     def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator) -> Draft:
-        return merge([part.propose(tokens, max_tokens, temperature, generator) for part in self.parts])
+        if not self.take_turns:
+            return merge([part.propose(tokens, max_tokens, temperature, generator) for part in self.parts])
+        first, *cheap = self.parts
+        # every training-free part is asked each round: each scores its earlier lookups against the text so far
+        drafts = [part.propose(tokens, max_tokens, temperature, generator) for part in cheap]
+        spoken = next((d for d in drafts if len(d.tokens)), None)
+        return spoken if spoken is not None else first.propose(tokens, max_tokens, temperature, generator)
 
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:
         """Every part hears how many tokens of the accepted path were drafted: a learned part keeps the target's

@@ -176,10 +176,19 @@ def trained_depth(path: str | Path) -> int | None:
     return int(depth) if depth else None
 
 
+def merge_separator(spec: str) -> str | None:
+    """'+' for a merged spec `A+B` (one tree), '|' for `A|B` (one drafter a round), None for one drafter (an
+    existing path may hold either character)."""
+    if Path(spec).exists():
+        return None
+    return next((sep for sep in "+|" if sep in spec), None)
+
+
 def learned_part(spec: str) -> str:
-    """The first drafter of a merged spec `A+B+...` (the one the draft length and tree apply to); `spec` itself
-    when it names one drafter (an existing path may hold a '+')."""
-    return spec if Path(spec).exists() else spec.split("+")[0]
+    """The first drafter of a merged spec `A+B+...` or `A|B|...` (the one the draft length and tree apply to);
+    `spec` itself when it names one drafter."""
+    sep = merge_separator(spec)
+    return spec.split(sep)[0] if sep else spec
 
 
 def build_drafter(
@@ -190,12 +199,13 @@ def build_drafter(
     (`builtin_drafter`). EAGLE-3 chains are cut where the next token stops paying for itself
     (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed"). With a `tree`
     shape, EAGLE-3 and n-gram drafters propose trees of that shape instead (a top-k of 1: a fixed chain).
-    `A+B` (e.g. `RUN_DIR+ngram`) verifies both drafters' proposals as one tree (drafters/merged.py); the draft
-    length and the tree shape apply to the first."""
-    if "+" in spec and not Path(spec).exists():
-        first, *rest = spec.split("+")
+    `A+B` (e.g. `RUN_DIR+ngram`) verifies both drafters' proposals as one tree; `A|B` lets B draft the rounds where
+    it proposes and A the others (drafters/merged.py); the draft length and the tree shape apply to the first."""
+    sep = merge_separator(spec)
+    if sep is not None:
+        first, *rest = spec.split(sep)
         parts = [build_drafter(first, target, dtype, draft_length, tree)]
-        return MergedDrafter(parts + [build_drafter(s, target, dtype, "fixed") for s in rest])
+        return MergedDrafter(parts + [build_drafter(s, target, dtype, "fixed") for s in rest], take_turns=sep == "|")
     if not spec.startswith("dflash:") and not Path(spec).is_dir():
         return builtin_drafter(spec, target, dtype=dtype, tree=tree)
     if spec.startswith("dflash:"):

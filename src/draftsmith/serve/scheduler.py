@@ -347,7 +347,7 @@ def fork_drafter(template: Drafter) -> Drafter:
     other requests ran before or beside it.
     """
     if isinstance(template, MergedDrafter):
-        return MergedDrafter([fork_drafter(part) for part in template.parts])
+        return MergedDrafter([fork_drafter(part) for part in template.parts], template.take_turns)
     shared = (torch.nn.Module, torch.Tensor, Target)
     memo = {id(v): v for v in vars(template).values() if isinstance(v, shared)}
     with torch.inference_mode():
