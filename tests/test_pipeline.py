@@ -65,6 +65,8 @@ def test_run_chains_the_stages_and_resumes_only_what_changed(tmp_path):
     assert eagle["prompts"] == 2 and ngram["prompts"] == 1  # eval.compare_limit
     report = (run_dir / "report.md").read_text()
     assert "| train |" in report and "acceptance.png" in report and (run_dir / "eval" / "acceptance.png").is_file()
+    fixed = f"| its fixed chain of {eagle['num_draft_tokens']} (timed) | {eagle['acceptance_length_fixed']:.2f} |"
+    assert fixed in report  # the learned drafter's own quality, under its adaptive policy's row
 
     again = invoke(app, ["run", str(pipeline), "--out", str(run_dir)])
     assert again.exit_code == 0 and again.output.count("skipped") == 5, again.output

@@ -26,11 +26,18 @@ def write_run_report(run_dir: Path, target: str, stage_status: dict[str, Any]) -
             "| drafter | acceptance length | speedup | tokens/s | mismatches |",
             "| --- | ---: | ---: | ---: | ---: |",
         ]
-        lines += [
-            f"| {r['drafter']} | {r['acceptance_length']:.2f} | {r['speedup']:.2f}x | {r['spec_tokens_per_s']:.1f} | "
-            f"{r['mismatches']} |"
-            for r in reports
-        ]
+        for r in reports:
+            lines.append(
+                f"| {r['drafter']} | {r['acceptance_length']:.2f} | {r['speedup']:.2f}x | "
+                f"{r['spec_tokens_per_s']:.1f} | {r['mismatches']} |"
+            )
+            if r.get("acceptance_length_fixed") is not None:  # the learned drafter's own quality, beside its policy
+                speed = r.get("speedup_fixed")
+                lines.append(
+                    f"| its fixed chain of {r['num_draft_tokens']} ({r.get('fixed_chain', 'timed')}) | "
+                    f"{r['acceptance_length_fixed']:.2f} | {'-' if speed is None else f'{speed:.2f}x'} | "
+                    f"{_or_dash(r.get('spec_tokens_per_s_fixed'), '.1f')} | {_or_dash(r.get('mismatches_fixed'))} |"
+                )
         plot = _plot_acceptance(reports, run_dir / "eval" / "acceptance.png")
         lines += ["", f"![acceptance by draft position]({plot.relative_to(run_dir)})"]
     if (run_dir / "train" / "curves.png").is_file():
@@ -38,6 +45,10 @@ def write_run_report(run_dir: Path, target: str, stage_status: dict[str, Any]) -
     lines += _shipping_lines(run_dir, stage_status)
     write_atomic(run_dir / "report.md", "\n".join(lines) + "\n")
     return run_dir / "report.md"
+
+
+def _or_dash(value: float | None, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _shipping_lines(run_dir: Path, stage_status: dict[str, Any]) -> list[str]:
