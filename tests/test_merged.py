@@ -132,6 +132,8 @@ def test_merged_spec_with_a_bar_takes_turns(tmp_path):
     assert isinstance(drafter, MergedDrafter) and drafter.take_turns and "|" in drafter.name
     assert fork_drafter(drafter).take_turns
     assert not build_drafter(f"{tmp_path}+ngram", target, draft_length="fixed").take_turns
+    with pytest.raises(ConfigError, match="mixes"):
+        build_drafter(f"{tmp_path}+ngram|ngram:1-2", target)
 
 
 def test_merging_two_learned_drafters_is_an_error():

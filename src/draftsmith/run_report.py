@@ -32,10 +32,9 @@ def write_run_report(run_dir: Path, target: str, stage_status: dict[str, Any]) -
                 f"{r['spec_tokens_per_s']:.1f} | {r['mismatches']} |"
             )
             if r.get("acceptance_length_fixed") is not None:  # the learned drafter's own quality, beside its policy
-                speed = r.get("speedup_fixed")
                 lines.append(
                     f"| its fixed chain of {r['num_draft_tokens']} ({r.get('fixed_chain', 'timed')}) | "
-                    f"{r['acceptance_length_fixed']:.2f} | {'-' if speed is None else f'{speed:.2f}x'} | "
+                    f"{r['acceptance_length_fixed']:.2f} | {_or_dash(r.get('speedup_fixed'), '.2f', 'x')} | "
                     f"{_or_dash(r.get('spec_tokens_per_s_fixed'), '.1f')} | {_or_dash(r.get('mismatches_fixed'))} |"
                 )
         plot = _plot_acceptance(reports, run_dir / "eval" / "acceptance.png")
@@ -47,8 +46,9 @@ def write_run_report(run_dir: Path, target: str, stage_status: dict[str, Any]) -
     return run_dir / "report.md"
 
 
-def _or_dash(value: float | None, spec: str = "") -> str:
-    return "-" if value is None else format(value, spec)
+def _or_dash(value: float | None, spec: str = "", unit: str = "") -> str:
+    """A table cell: the value formatted, or '-' where the run did not measure it (a replayed chain's speed)."""
+    return "-" if value is None else format(value, spec) + unit
 
 
 def _shipping_lines(run_dir: Path, stage_status: dict[str, Any]) -> list[str]:

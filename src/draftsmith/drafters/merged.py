@@ -10,8 +10,8 @@ verified once, and siblings keep the order of the drafters. A sampled proposal k
 distributions q; the deterministic nodes beside it get point masses, which multi-candidate rejection sampling
 handles losslessly (decode/tree.py), so the merge never changes the output distribution.
 
-Taking turns (`RUN_DIR|ngram`) the drafters take turns instead: the training-free ones are asked first and the
-first that proposes drafts the round alone; the learned drafter drafts only the rounds where they are silent. A
+With `take_turns` (`RUN_DIR|ngram`) the drafters take turns instead: the training-free ones are asked first and
+the first that proposes drafts the round alone; the learned drafter drafts only the rounds where they are silent. A
 lookup that speaks has matched a repeat and is cheap; the learned drafter's chain costs several of its forwards, so
 it is spent where nothing cheaper has a guess. The learned drafter still hears every confirmed token's features.
 """

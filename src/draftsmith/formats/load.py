@@ -23,7 +23,7 @@ from draftsmith.drafters.eagle3 import (
     resolve_checkpoint,
 )
 from draftsmith.drafters.merged import MergedDrafter
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.formats import sglang, speculators, zlab
 from draftsmith.formats.common import (
     CONFIG_FILE,
@@ -181,7 +181,12 @@ def merge_separator(spec: str) -> str | None:
     existing path may hold either character)."""
     if Path(spec).exists():
         return None
-    return next((sep for sep in "+|" if sep in spec), None)
+    found = [sep for sep in "+|" if sep in spec]
+    if len(found) > 1:
+        raise ConfigError(
+            f"--drafter {spec!r} mixes '+' and '|'", hint="merge as one tree (A+B) or take turns (A|B), not both"
+        )
+    return found[0] if found else None
 
 
 def learned_part(spec: str) -> str:
