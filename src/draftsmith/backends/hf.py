@@ -14,18 +14,25 @@ from typing import Any
 
 import torch
 import transformers
+from rich.console import Console
 
 from draftsmith.backends import batch
-from draftsmith.target import Target
+from draftsmith.target import AUTO, Target
 
 
 class TransformersBackend:
     name = "transformers"
 
     def __init__(self, target: Target, dtype: str | None = None) -> None:
-        """`dtype`: compute in a copy of the target cast to it (`Target.cast`; bf16 on a CPU with AMX)."""
+        """`dtype`: compute in a copy of the target cast to it (`Target.cast`; bf16 on a CPU with AMX; `auto`: bf16
+        only where it is native). The manifest records the dtype it resolved to."""
         self.target = target if dtype is None else target.cast(dtype)
-        self.compute_dtype = None if self.target is target else dtype
+        self.compute_dtype = None if self.target is target else str(self.target.model.dtype).removeprefix("torch.")
+        if dtype == AUTO and self.compute_dtype is None and target.model.dtype != torch.bfloat16:
+            Console(stderr=True).print(
+                f"dtype auto: bf16 is not native on this {target.device.type}, computing in "
+                f"{str(target.model.dtype).removeprefix('torch.')}"
+            )
 
     def generate(
         self,

@@ -39,6 +39,7 @@ from draftsmith.drafters.dflash import DFlashConfig, DFlashModel
 from draftsmith.drafters.eagle3 import CONFIG_FILE, WEIGHTS_FILE, Eagle3Config, Eagle3Model
 from draftsmith.errors import ConfigError, DataError
 from draftsmith.progress import progress_bar
+from draftsmith.target import AUTO, bf16_is_native
 from draftsmith.train.losses import DFlashObjective, TTTObjective, target_top
 from draftsmith.train.metrics import MetricsWriter, StepStats, plot_curves, read_metrics
 from draftsmith.train.optim import build_optimizer
@@ -66,7 +67,9 @@ class TrainConfig(StageConfig):
     eval_every: int = Field(default=100, ge=1)
     val_fraction: float = Field(default=0.05, ge=0, lt=1)
     seed: int = 0
-    bf16: bool = False  # bf16 autocast (CPU or CUDA); weights, optimiser and losses stay fp32
+    # bf16 autocast (CPU or CUDA); weights, optimiser and losses stay fp32. auto: only where bf16 is native (a GPU,
+    # an AMX or AVX512-BF16 CPU); emulated bf16 on an AVX2 CPU is several times slower than float32
+    bf16: bool | Literal["auto"] = False
     max_length: int = Field(default=2048, ge=3)  # longer sequences are truncated
     fsdp: bool = False  # under torchrun: shard the drafter over the processes (FSDP2) instead of replicating it
     # The drafter's layer variant (speculators' switches; see drafters/eagle3.py): stages.train passes them to
@@ -96,6 +99,10 @@ class TrainConfig(StageConfig):
         if self.algo == "dflash":
             return DFlashObjective(self.block_size, self.gamma, self.anchors, self.kl, self.seed)
         return TTTObjective(self.ttt_steps, self.step_weight)
+
+    def uses_bf16(self, device: torch.device | str) -> bool:
+        """Does training on `device` autocast to bf16? `auto`: only where bf16 is native (`bf16_is_native`)."""
+        return self.bf16 is True or self.bf16 == AUTO and bf16_is_native(device)
 
 
 @dataclass
@@ -183,7 +190,8 @@ class Trainer:
 
         self.model = model.to(device)
         self.head = target_head.detach().to(device, torch.float32)
-        self.top_head = self.head.to(torch.bfloat16) if cfg.bf16 else self.head  # feeds only the accuracy metric
+        self.bf16 = cfg.uses_bf16(device)
+        self.top_head = self.head.to(torch.bfloat16) if self.bf16 else self.head  # feeds only the accuracy metric
         self.target_tops: dict[int, torch.Tensor] = {}  # sample index -> the target's argmax per position
         self.sharded = None  # with FSDP: the root module whose forward is the loss
         if cfg.fsdp and self.world > 1:
@@ -298,7 +306,7 @@ class Trainer:
         ]
 
     def autocast(self) -> torch.autocast:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def train_step(self) -> tuple[StepStats, int, float]:
         """One optimiser step over the global batch; returns its stats, token count and gradient norm."""
