@@ -1,5 +1,6 @@
 """The EAGLE-3 drafter: layout, initialisation, checkpoints, and the training-time test against real drafting."""
 
+import copy
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from draftsmith.drafters.eagle3 import (
 )
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.formats.load import load_drafter
+from draftsmith.packed import Int8Linear, PackedLinear
 from draftsmith.train.losses import StepCache, ttt_forward
 from tests.conftest import tiny_target
 from tests.test_engine import reference
@@ -183,12 +185,38 @@ def test_ttt_step_k_equals_inference_drafting(temperature):
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("k", [1, 4, 7])
-def test_greedy_speculative_output_equals_generate(seed, k):
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+def test_greedy_speculative_output_equals_generate(seed, k, precision):
     target = tiny_target(seed)
-    drafter = Eagle3Drafter(make_model(target, seed=seed))
+    drafter = Eagle3Drafter(make_model(target, seed=seed), precision=precision)
     prompt = [0] + torch.randint(2, 90, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
     out = SpeculativeDecoder(target, drafter, k).generate(prompt, 40)
     assert out.tokens == reference(target, prompt, 40)
+
+
+def test_int8_drafter_proposes_what_the_float32_one_does_and_keeps_its_weights():
+    """int8 weights move the drafter's logits by ~1 %: its greedy drafts must almost always be the float32
+    drafter's, and the float32 weights (what a checkpoint or an export saves) must stay untouched."""
+    target = tiny_target(5)
+    model = make_model(target, seed=5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    drafters = [Eagle3Drafter(copy.deepcopy(model), precision=p) for p in ("float32", "int8")]
+    assert isinstance(drafters[1].model.fc, Int8Linear) and isinstance(drafters[0].model.fc, PackedLinear)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, 90, (60,), generator=gen)
+    feats = torch.randn(60, 96, generator=gen)
+    same = total = 0
+    for end in range(8, 60, 4):
+        drafts = []
+        for d in drafters:
+            d.begin(tokens[: end - 1], feats[: end - 1])
+            drafts.append(d.propose(tokens[:end], 4, 0.0, gen).tokens)
+        same += int((drafts[0] == drafts[1]).sum())
+        total += len(drafts[0])
+    assert total == 4 * 13 and same >= 0.9 * total, (same, total)
+    assert all(torch.equal(before[k], v) for k, v in drafters[1].model.state_dict().items())
+    with pytest.raises(ConfigError, match="unknown drafter precision"):
+        Eagle3Drafter(model, precision="int4")
 
 
 def test_sampled_drafts_run_through_the_engine_reproducibly():

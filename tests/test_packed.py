@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from draftsmith.packed import PackedLinear, can_pack, pack_linears
+from draftsmith.packed import Int8Linear, PackedLinear, can_pack, pack_linears, quantize_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -54,3 +54,19 @@ def test_gradients_and_other_dtypes_use_plain_linear():
     assert x.grad is not None and packed.head.weight.grad is not None
     half = model().to(torch.bfloat16)
     assert not can_pack(half) and pack_linears(half) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_layers_stay_within_a_percent_of_linear_and_keep_the_float_weights(rows):
+    plain, int8 = model(), model()
+    pack_linears(int8)  # a packed model swaps too: a float32 drafter can be re-held in int8
+    assert quantize_linears(int8) == 3 and isinstance(int8.head, Int8Linear)
+    assert int8.state_dict().keys() == plain.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(int8.state_dict().values(), plain.state_dict().values(), strict=True))
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        want, got = run(plain, x), run(int8, x)
+        assert (got - want).norm() < 0.03 * want.norm()
+        assert not torch.equal(got, want)  # it is int8 arithmetic, not the float path
+        torch.testing.assert_close(run(copy.deepcopy(int8), x), got, rtol=0, atol=0)
+    assert quantize_linears(model().to(torch.bfloat16)) == 0

@@ -75,6 +75,31 @@ def test_same_seed_same_chats_and_a_cut_run_resumes_to_the_same_file(tmp_path):
     assert self_chat(target, 5, cut, **options).read_text() == whole
 
 
+def test_a_time_budget_writes_the_whole_batches_that_fit_and_a_resume_spends_only_what_is_left(tmp_path, monkeypatch):
+    """Each batch "takes" 60 s (a fake clock): 2.5 minutes fit two batches (a third would end at 180 s), a resume
+    with 3.5 minutes adds exactly one, and the chats are a prefix of the unbudgeted run's."""
+    from draftsmith.data import selfchat as module
+
+    clock = {"now": 0.0}
+    real_write = module._write_batch
+
+    def slow_write(*args, **kwargs):
+        clock["now"] += 60.0
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_write_batch", slow_write)
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock["now"])
+    target = tiny_target(seed=5)
+    options = {"seed": 2, "length": 40, "batch_size": 2, "max_turn_tokens": 8, "progress": False}
+    whole = chats(self_chat(target, 9, tmp_path / "whole.jsonl", **options))
+    out = tmp_path / "chat.jsonl"
+    assert chats(self_chat(target, 9, out, minutes=2.5, **options)) == whole[:4]
+    assert json.loads(out.with_suffix(".seconds.json").read_text()) == {"seconds": 120.0, "batches": 2}
+    assert chats(self_chat(target, 9, out, minutes=3.5, **options)) == whole[:6]
+    with pytest.raises(ConfigError, match="budget above 0 minutes"):
+        self_chat(target, 2, tmp_path / "c.jsonl", seed=0, minutes=0, progress=False)
+
+
 def test_bad_settings_are_refused_in_one_line(tmp_path):
     target = tiny_target()
     with pytest.raises(ConfigError, match="exceeds the context"):

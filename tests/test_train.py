@@ -2,6 +2,7 @@
 
 import json
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -148,6 +149,27 @@ def test_resume_retraces_an_uninterrupted_run(tmp_path, monkeypatch, optimizer):
     whole = load_drafter(tmp_path / "whole", tiny_target(0)).model.state_dict()
     resumed = load_drafter(tmp_path / "resumed", tiny_target(0)).model.state_dict()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_a_time_budget_ends_the_run_where_the_time_runs_out_with_its_schedule_finished(tmp_path, monkeypatch):
+    """Every step "takes" 0.25 s of a fake clock: 3 s fit 12 of the 40 planned steps, the cosine schedule is
+    re-planned to end there, and a resume with 6 s trains on to the 24 steps that fit in all."""
+    _, data, weights, config = setup(count=8)
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    real_step = trainer_module.Trainer.train_step
+
+    def timed_step(self):
+        clock.now += 0.25
+        return real_step(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", timed_step)
+    cfg = TrainConfig(max_steps=40, max_minutes=0.05, batch_size=2, lr=1e-3, warmup_steps=2, ttt_steps=2,
+                      val_fraction=0, checkpoint_every=100)  # fmt: skip
+    assert run(cfg, data, weights, config, tmp_path).steps == 12
+    lrs = [r["lr"] for r in read_metrics(tmp_path) if r["split"] == "train"]
+    assert len(lrs) == 12 and lrs[-1] < 0.05 * max(lrs)
+    assert run(cfg.model_copy(update={"max_minutes": 0.1}), data, weights, config, tmp_path).steps == 24
 
 
 def test_resume_refuses_a_different_config(tmp_path):

@@ -1,11 +1,20 @@
-"""Linear layers with their weights packed once for oneDNN, for float32 inference on CPU.
+"""Inference layouts of linear layers on CPU: float32 weights packed once for oneDNN, and int8 drafter weights.
 
-Why: `F.linear` on CPU re-packs the weight matrix on every call that has more than one input row, and a target
+Why packed: `F.linear` on CPU re-packs the weight matrix on every call that has more than one input row, and a target
 forward is memory-bound, so a verify forward over 2-8 tokens cost ~1.8-2x a one-token forward and the drafter had
 to win back that whole difference. Packed once at load, it costs ~1.1-1.4x (SmolLM2-135M, 2 cores, KV cache of 200:
-`benchmarks/verify_cost.py`); a one-token forward costs about the same either way. Every caller of the model gets the
+`benchmarks/verify_cost.py`). A one-row call keeps plain `F.linear`, which re-packs nothing: on an AMX Xeon the two
+cost the same, on an AVX2 EPYC the packed kernel was ~1.25x slower for one row. Every caller of the model gets the
 same layers, so `model.generate`, plain decoding and verification stay comparable, and a speed-up measures speculation.
+
+Why int8: a drafter step is a handful of one-row matmuls, bound by reading ~26 MB of float32 weights (SmolLM2's
+EAGLE-3 layer + a 4096-token head). `Int8Linear` keeps them as int8 rows with one scale each (fbgemm, activations
+quantised per call), a quarter of the bytes: ~2.5x faster steps on the AVX2 EPYC (`benchmarks/drafter_step.py`).
+Only drafters use it: what they propose is verified by the float32 target, so their precision moves acceptance
+(a 1-2 % relative error in the logits), never the output.
 """
+
+import warnings
 
 import torch
 from torch import nn
@@ -45,7 +54,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         usable = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
-        if not usable or torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        one_row = x.numel() == x.shape[-1]  # nothing to re-pack, and the plain kernel is never slower
+        if not usable or training or one_row:
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")
@@ -58,10 +69,48 @@ def pack_linears(model: nn.Module) -> int:
     """Swap every `nn.Linear` of a frozen float32 CPU model for a `PackedLinear`; returns how many were swapped."""
     if not can_pack(model):
         return 0
+    return _swap(model, (nn.Linear,), PackedLinear)
+
+
+def _swap(model: nn.Module, kinds: tuple[type, ...], make) -> int:
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
-    count = 0
     for parent, name, child in swaps:
-        if type(child) is nn.Linear:
-            setattr(parent, name, PackedLinear(child))
-            count += 1
-    return count
+        if type(child) in kinds:
+            setattr(parent, name, make(child))
+    return sum(type(child) in kinds for _, _, child in swaps)
+
+
+def can_quantize(model: nn.Module) -> bool:
+    """int8 linears need a float32 model on CPU and a quantized engine (fbgemm on x86, qnnpack on ARM)."""
+    param = next(model.parameters())
+    return param.device.type == "cpu" and param.dtype == torch.float32 and torch.backends.quantized.engine != "none"
+
+
+class Int8Linear(nn.Module):
+    """An inference-only `nn.Linear` with int8 weights, one scale per output row, and inputs quantised per call.
+    The float32 `weight` stays the parameter (state dict, export and fingerprints are unchanged); the int8 copy is
+    made once, so weights changed afterwards are not seen (drafters are frozen when they draft)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).double()
+        zeros = torch.zeros(self.out_features, dtype=torch.long)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        with warnings.catch_warnings():  # quantized tensors are deprecated in torch 2.13; fbgemm's kernel is not
+            warnings.simplefilter("ignore", UserWarning)
+            rows = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
+            self._packed = torch.ops.quantized.linear_prepack(rows, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # reduce_range: 7-bit activations, so AVX2's int8 multiply-add cannot saturate
+        return torch.ops.quantized.linear_dynamic(x, self._packed, True)
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Swap every linear layer of a frozen float32 CPU drafter for an `Int8Linear`; returns how many were swapped."""
+    if not can_quantize(model):
+        return 0
+    return _swap(model, (nn.Linear, PackedLinear), Int8Linear)

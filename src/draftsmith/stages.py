@@ -27,6 +27,7 @@ class DataConfig(StageConfig):
     synth_kinds: list[str] = list(SYNTH_KINDS)  # each synthesised prompt steered to one kind, in turns; [] = unsteered
     self_chat: int = Field(default=0, ge=0)  # chats the target writes both sides of (data/selfchat.py), synth_kinds
     self_chat_length: int = Field(default=512, ge=16)  # tokens per self-chat, template included
+    self_chat_minutes: float | None = Field(default=None, gt=0)  # ... or as many as fit in this time (whole batches)
     self_chat_user_temperature: float = Field(default=1.0, gt=0)  # the sampled user turns (replies stay greedy)
     self_chat_loop_ngram: int = Field(default=0, ge=0)  # N > 0: a reply ends before it repeats one of its N-grams
     limit: int | None = Field(default=None, ge=1)
@@ -86,7 +87,7 @@ def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
     try:
         return build_dataset(
             resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth,
-            self_chat=cfg.self_chat, self_chat_length=cfg.self_chat_length,
+            self_chat=cfg.self_chat, self_chat_length=cfg.self_chat_length, self_chat_minutes=cfg.self_chat_minutes,
             self_chat_user_temperature=cfg.self_chat_user_temperature,
             self_chat_loop_ngram=cfg.self_chat_loop_ngram, synth_kinds=cfg.synth_kinds,
             limit=cfg.limit, skip=cfg.skip, hf_split=cfg.hf_split, seed=cfg.seed,
@@ -231,13 +232,14 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
                 f"for: steps past {depth} continue from states it never learned (use --num-draft-tokens {depth}, or "
                 "train with a deeper --ttt-steps)"
             )
-    shape = resolve_tree(cfg.tree, target, cfg.drafter, cfg.dtype)
-    drafters = [build_drafter(s, target, dtype=cfg.dtype, draft_length=cfg.draft_length) for s in specs]
+    precision = cfg.drafter_precision
+    shape = resolve_tree(cfg.tree, target, cfg.drafter, cfg.dtype, precision)
+    drafters = [build_drafter(s, target, cfg.dtype, cfg.draft_length, precision=precision) for s in specs]
     twin = fixed_twin(drafters[0])  # a learned drafter's quality: the same drafter with a fixed chain
     if shape is not None:
         # The tree, its drafter's fixed chain of --num-draft-tokens and (if adaptive or merged) its adaptive or
         # merged chain, side by side against the same baseline runs.
-        tree_drafter = build_drafter(cfg.drafter, target, dtype=cfg.dtype, tree=shape)
+        tree_drafter = build_drafter(cfg.drafter, target, dtype=cfg.dtype, tree=shape, precision=precision)
         chains = [twin, drafters[0]] if twin is not None else [drafters[0]]
         first = [tree_drafter, *chains]
         k = cfg.num_draft_tokens
@@ -270,6 +272,7 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     for i, (spec, report) in enumerate(zip(specs, reports, strict=True)):
         learned = learned_part(spec)
         report["drafter_checkpoint"] = str(checkpoint_dir(learned)) if Path(learned).is_dir() else None
+        report["drafter_precision"] = precision if Path(learned).is_dir() else None
         write_report(report, cfg.out if i == 0 else cfg.out / _safe_name(spec))
     return reports
 
@@ -287,6 +290,7 @@ class TuneConfig(StageConfig):
     topks: list[int] = [2, 4, 8]
     totals: list[int] = [8, 16, 32, 48]
     chains: list[int] = [2, 3, 4, 5, 6, 7, 8]
+    drafter_precision: Literal["float32", "int8"] = "float32"  # EAGLE-3 weights while drafting, as served
     out: Path = Path("runs/tune")
 
 
@@ -305,7 +309,7 @@ def tune(cfg: TuneConfig, target: Target) -> dict:
     if not prompts:
         raise ConfigError(f"--skip {cfg.skip} leaves no prompt of {dataset}", hint="lower --skip")
     encoded = [encode_chat(target.tokenizer, c.messages) for c in prompts]
-    base = build_drafter(cfg.drafter, target, dtype=cfg.dtype, draft_length="fixed")
+    base = build_drafter(cfg.drafter, target, dtype=cfg.dtype, draft_length="fixed", precision=cfg.drafter_precision)
     shapes = candidate_shapes(cfg.depths, cfg.topks, cfg.totals, cfg.chains)
     if not shapes:
         raise ConfigError("no tree shape or chain to try", hint="give --depths/--topks/--totals or --chains")

@@ -322,9 +322,11 @@ def check_tree_spec(spec: str | None) -> str | None:
     return spec
 
 
-def resolve_tree(spec: str | None, target: Target, drafter: str, dtype: str = "float32") -> TreeShape | None:
+def resolve_tree(
+    spec: str | None, target: Target, drafter: str, dtype: str = "float32", precision: str = "float32"
+) -> TreeShape | None:
     """`--tree`: None (chains), an explicit shape, the best shape of a tune.json, or 'auto': a short tune here
-    (4 built-in prompts, 64 new tokens, the default grid of shapes)."""
+    (4 built-in prompts, 64 new tokens, the default grid of shapes, the drafter at the `precision` it will draft at)."""
     if spec is None:
         return None
     if spec.endswith(".json"):
@@ -337,7 +339,7 @@ def resolve_tree(spec: str | None, target: Target, drafter: str, dtype: str = "f
     from draftsmith.formats.load import build_drafter
 
     _, prompts = load_eval_prompts("builtin", None, 4)
-    base = build_drafter(drafter, target, dtype=dtype, draft_length="fixed")
+    base = build_drafter(drafter, target, dtype=dtype, draft_length="fixed", precision=precision)
     report = tune(
         target,
         lambda shape: with_tree(base, shape),

@@ -47,6 +47,7 @@ def build_dataset(
     synth: int = 0,
     self_chat: int = 0,
     self_chat_length: int = 512,
+    self_chat_minutes: float | None = None,
     self_chat_user_temperature: float = 1.0,
     self_chat_loop_ngram: int = 0,
     synth_kinds: Sequence[str] = SYNTH_KINDS,
@@ -66,7 +67,8 @@ def build_dataset(
     after its first `skip` (e.g. the prompts an evaluation uses, held out);
     `synth` adds N prompts the target writes itself, spread evenly over `synth_kinds` (see `draftsmith.data.synth`;
     empty: unsteered pre-query samples); `self_chat` adds N multi-turn chats of `self_chat_length` tokens the target
-    writes both sides of, over the same kinds, its user turns sampled at `self_chat_user_temperature`, its replies
+    writes both sides of (or the whole batches of them that fit in `self_chat_minutes`), over the same kinds, its user
+    turns sampled at `self_chat_user_temperature`, its replies
     cut before they repeat a `self_chat_loop_ngram`-gram when that is above 0 (see `draftsmith.data.selfchat`;
     resumable). `temperature`, `max_new_tokens` (also the cap on a self-chat reply) and `batch_size` drive the
     regeneration (synthesis samples at its own defaults, since a greedy prompt writer writes one prompt).
@@ -101,6 +103,7 @@ def build_dataset(
         # recorded only when not the default, so stores made before the setting existed still resume
         | ({"self_chat_user_temperature": self_chat_user_temperature} if self_chat_user_temperature != 1.0 else {})
         | ({"self_chat_loop_ngram": self_chat_loop_ngram} if self_chat_loop_ngram else {})
+        | ({"self_chat_minutes": self_chat_minutes} if self_chat_minutes is not None else {})
         | ({"skip": skip} if skip else {})
     )
     inputs = {"sources": list(sources), "config": config, "target": target.name if target else None}
@@ -137,7 +140,7 @@ def build_dataset(
         write_self_chat(
             chat_target, self_chat, chat_path, seed=seed, length=self_chat_length, batch_size=batch_size,
             max_turn_tokens=max_new_tokens, temperature=temperature, user_temperature=self_chat_user_temperature,
-            loop_ngram=self_chat_loop_ngram, kinds=synth_kinds,
+            loop_ngram=self_chat_loop_ngram, kinds=synth_kinds, minutes=self_chat_minutes,
         )  # fmt: skip
         counts = counts | {"self_chat": sum(1 for _ in read_records(chat_path))}
     if regenerate and conversations:

@@ -39,7 +39,7 @@ from draftsmith.decode.tree import TreeShape
 from draftsmith.drafters.base import Draft
 from draftsmith.drafters.budget import DraftBudget
 from draftsmith.errors import ConfigError, DraftsmithError
-from draftsmith.packed import pack_linears
+from draftsmith.packed import pack_linears, quantize_linears
 from draftsmith.store import default_aux_layers
 from draftsmith.target import Target
 
@@ -47,6 +47,7 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight",)  # a copy of the target's embeddings: restored from the target, never saved
 # The layer variants speculators 0.9.0 can describe, as `Eagle3Config` fields (all off: the original EAGLE-3 layer).
+PRECISIONS = ("float32", "int8")  # how an EAGLE-3 drafter's weights are held while it drafts (`Eagle3Drafter`)
 VARIANTS = ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output", "qk_norm", "sliding_window")
 
 
@@ -438,10 +439,19 @@ class Eagle3Drafter:
         name: str = "eagle3",
         budget: DraftBudget | None = None,
         tree: TreeShape | None = None,
+        precision: str = "float32",
     ) -> None:
+        """`precision` int8: the drafter's linears in int8 on a CPU (`packed.Int8Linear`: a quarter of the bytes its
+        memory-bound steps read); float32: packed for oneDNN like the target's. A model already swapped keeps its
+        layout (a twin sharing the weights drafts as they do)."""
         self.name = name
         self.model = model.eval()
-        pack_linears(model)  # its steps are memory-bound one-row forwards, like the target's
+        if precision not in PRECISIONS:
+            raise ConfigError(f"unknown drafter precision {precision!r}", hint=f"use {' or '.join(PRECISIONS)}")
+        if precision == "int8":
+            quantize_linears(model)
+        else:
+            pack_linears(model)  # its steps are memory-bound one-row forwards, like the target's
         self.budget = budget or DraftBudget.fixed()
         if tree is not None:
             tree.check_vocab(model.config.draft_vocab_size)

@@ -149,15 +149,20 @@ def load_dflash(path: str | Path, target: Target, name: str | None = None) -> df
 
 
 def load_drafter(
-    path: str | Path, target: Target, name: str | None = None, budget: DraftBudget | None = None
+    path: str | Path,
+    target: Target,
+    name: str | None = None,
+    budget: DraftBudget | None = None,
+    precision: str = "float32",
 ) -> Eagle3Drafter | dflash.DFlashDrafter:
-    """`--drafter DIR`: our runs and checkpoints, and foreign layouts converted on load, on the target's device."""
+    """`--drafter DIR`: our runs and checkpoints, and foreign layouts converted on load, on the target's device;
+    an EAGLE-3 drafter drafts at `precision` (float32 | int8, see `Eagle3Drafter`)."""
     if is_dflash(path):
         return load_dflash(path, target, name)
     converted = read_drafter(path, target.num_layers, target)
     with torch.no_grad():
         model = build_model(converted, target)
-    return Eagle3Drafter(model, name or f"eagle3:{checkpoint_dir(path)}", budget)
+    return Eagle3Drafter(model, name or f"eagle3:{checkpoint_dir(path)}", budget, precision=precision)
 
 
 def trained_depth(path: str | Path) -> int | None:
@@ -197,7 +202,12 @@ def learned_part(spec: str) -> str:
 
 
 def build_drafter(
-    spec: str, target: Target, dtype: str = "float32", draft_length: str = "adaptive", tree: TreeShape | None = None
+    spec: str,
+    target: Target,
+    dtype: str = "float32",
+    draft_length: str = "adaptive",
+    tree: TreeShape | None = None,
+    precision: str = "float32",
 ) -> Drafter:
     """A `--drafter` string: a drafter directory (an EAGLE-3 or DFlash checkpoint or training run, or a speculators /
     SGLang / EAGLE / z-lab export, converted on load; `dflash:DIR` says which) or a built-in drafter
@@ -205,18 +215,19 @@ def build_drafter(
     (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed"). With a `tree`
     shape, EAGLE-3 and n-gram drafters propose trees of that shape instead (a top-k of 1: a fixed chain).
     `A+B` (e.g. `RUN_DIR+ngram`) verifies both drafters' proposals as one tree; `A|B` lets B draft the rounds where
-    it proposes and A the others (drafters/merged.py); the draft length and the tree shape apply to the first."""
+    it proposes and A the others (drafters/merged.py); the draft length, the tree shape and the EAGLE-3 weights'
+    `precision` (float32 | int8) apply to the first."""
     sep = merge_separator(spec)
     if sep is not None:
         first, *rest = spec.split(sep)
-        parts = [build_drafter(first, target, dtype, draft_length, tree)]
+        parts = [build_drafter(first, target, dtype, draft_length, tree, precision)]
         return MergedDrafter(parts + [build_drafter(s, target, dtype, "fixed") for s in rest], take_turns=sep == "|")
     if not spec.startswith("dflash:") and not Path(spec).is_dir():
         return builtin_drafter(spec, target, dtype=dtype, tree=tree)
     if spec.startswith("dflash:"):
         drafter = load_dflash(spec.removeprefix("dflash:"), target)
     else:
-        drafter = load_drafter(spec, target, budget=DraftBudget.fixed())
+        drafter = load_drafter(spec, target, budget=DraftBudget.fixed(), precision=precision)
     if tree is not None:
         return with_tree(drafter, tree)
     if draft_length == "adaptive" and isinstance(drafter, Eagle3Drafter):

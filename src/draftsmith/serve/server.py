@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from typing import Literal
 
 from pydantic import Field
 
@@ -43,6 +44,7 @@ class ServeConfig(StageConfig):
     drafter: str = "ngram"
     num_draft_tokens: int = Field(default=7, ge=1, le=64)
     tree: str | None = None  # draft trees: "depth=D,topk=K,total=N", "auto" (a short tune first), or a tune.json
+    drafter_precision: Literal["float32", "int8"] = "float32"  # EAGLE-3 weights while drafting (int8: CPU)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     model_name: str | None = None
@@ -97,8 +99,8 @@ def serve(cfg: ServeConfig) -> None:
         )
 
     target = load_target(cfg.target, dtype=cfg.dtype)
-    shape = resolve_tree(cfg.tree, target, cfg.drafter, cfg.dtype)
-    drafter = build_drafter(cfg.drafter, target, dtype=cfg.dtype, tree=shape)
+    shape = resolve_tree(cfg.tree, target, cfg.drafter, cfg.dtype, cfg.drafter_precision)
+    drafter = build_drafter(cfg.drafter, target, dtype=cfg.dtype, tree=shape, precision=cfg.drafter_precision)
     draft_tokens = cfg.num_draft_tokens if shape is None else shape.total
     model_name = cfg.model_name or public_name(cfg.target)
     metrics = ServerMetrics(

@@ -47,12 +47,16 @@ from draftsmith.util import crash_point, fsync_tree, replace_durable, swap_dirs,
 
 STATE_FILE = "trainer_state.pt"
 # Settings a resumed run may change; any other difference would silently change the run, so it is an error.
-RESUMABLE = {"max_steps", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every", "fsdp"}
+RESUMABLE = {"max_steps", "max_minutes", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every", "fsdp"}
+PLAN_AFTER = 5  # steps timed before a time budget re-plans the run's length
 
 
 class TrainConfig(StageConfig):
     algo: Literal["eagle3", "dflash"] = "eagle3"
     max_steps: int | None = Field(default=None, ge=1)  # overrides epochs
+    # ... or as many steps as fit in this time (validation and checkpoints included): the run is re-planned from
+    # the measured time per step, so the cosine schedule still ends at its last step; at most max_steps / epochs
+    max_minutes: float | None = Field(default=None, gt=0)
     epochs: float = Field(default=1.0, gt=0)
     batch_size: int = Field(default=8, ge=1)  # sequences per optimiser step, over all ranks
     micro_batch_size: int = Field(default=1, ge=1)  # sequences per forward on one rank, padded to the longest
@@ -186,7 +190,9 @@ class Trainer:
                 hint="pick a global batch size that splits evenly over processes and micro-batches",
             )
         self.train_idx, self.val_idx = split_indices(len(dataset), cfg.val_fraction, cfg.seed)
-        self.total_steps = cfg.max_steps or math.ceil(cfg.epochs * len(self.train_idx) / cfg.batch_size)
+        self.planned_steps = cfg.max_steps or math.ceil(cfg.epochs * len(self.train_idx) / cfg.batch_size)
+        self.total_steps = self.planned_steps  # fewer when `max_minutes` runs out first (`_fit_budget`)
+        self.seconds = 0.0  # wall time spent on steps, validation and checkpoints, over resumes
 
         self.model = model.to(device)
         self.head = target_head.detach().to(device, torch.float32)
@@ -202,8 +208,10 @@ class Trainer:
         if cfg.optimizer == "muon" and self.sharded is not None:
             raise ConfigError("optimizer muon is not supported with --fsdp yet", hint="use AdamW or DDP")
         self.optimizer = build_optimizer(self.model, cfg.optimizer, cfg.lr, cfg.weight_decay)
-        warmup, total = cfg.warmup_steps, self.total_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, warmup, total))
+        warmup = cfg.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, warmup, self.total_steps)
+        )
         self.step = 0
         self.best_length = 0.0  # the best validation expected_length so far; its checkpoint is kept as `best`
 
@@ -250,6 +258,9 @@ class Trainer:
                 train_metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / seconds)
                 if writer:
                     writer.log(self.step, "train", train_metrics)
+                if cfg.max_minutes is not None:
+                    self._fit_budget(self.seconds + seconds)
+                    progress.update(task, total=self.total_steps)
                 done = self.step == self.total_steps
                 best = False
                 if self.val_idx and (self.step % cfg.eval_every == 0 or done):
@@ -258,8 +269,11 @@ class Trainer:
                         writer.log(self.step, "val", val_metrics)
                     best = val_metrics["expected_length"] > self.best_length
                     self.best_length = max(self.best_length, val_metrics["expected_length"])
+                self.seconds += time.perf_counter() - start
                 if best or self.step % cfg.checkpoint_every == 0 or done:
-                    self.save(best)
+                    start = time.perf_counter()
+                    self.save(best)  # its state holds the seconds up to here; its own time counts from the next
+                    self.seconds += time.perf_counter() - start
                 m = train_metrics
                 info = f"loss {m['loss']:.3f}  acc_0 {m['acc_0']:.2f}  {m['tokens_per_s']:,.0f} tok/s"
                 progress.update(task, completed=self.step, info=info)
@@ -361,6 +375,13 @@ class Trainer:
     def checkpoint_dir(self, step: int) -> Path:
         return self.out_dir / "checkpoints" / f"step-{step:06d}"
 
+    def _fit_budget(self, spent: float) -> None:
+        """Re-plan the run to the steps that fit in `max_minutes` at the wall time per step so far (`spent` seconds
+        over `self.step` steps, validation and checkpoints included), never past the planned steps."""
+        if self.step >= PLAN_AFTER:
+            fits = int(60 * self.cfg.max_minutes * self.step / spent)
+            self.total_steps = max(self.step, min(self.planned_steps, fits))
+
     def save(self, best: bool = False) -> None:
         """Write the checkpoint under a temporary name, rename it into place, then point `latest` (and, when it
         has the best validation so far, `best`) at it. Rotation keeps the newest few and the best."""
@@ -383,6 +404,7 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(),
                 "rng": rng_state(),
                 "best_length": self.best_length,
+                "seconds": self.seconds,
             }
             torch.save(state, tmp / STATE_FILE)
             fsync_tree(tmp)  # every byte on disk before the name says the checkpoint exists
@@ -431,6 +453,7 @@ class Trainer:
         set_rng_state(state["rng"])
         self.step = state["step"]
         self.best_length = float(state.get("best_length", 0.0))
+        self.seconds = float(state.get("seconds", 0.0))
 
 
 def own_checkpoints(out_dir: Path) -> list[Path]:
