@@ -34,8 +34,13 @@ def test_data_extract_vocab_train_eval_chain(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["mismatches"] == 0 and report["prompts"] == 2
+    result = run(app, ["eval", "--target", model, "--drafter", str(tmp_path / "run"), "--dataset", str(convs),
+                       "--drafter-precision", "int4", "--out", str(tmp_path / "eval4")])  # fmt: skip
+    assert result.exit_code == 2 and "drafter_precision" in result.output
     best = (tmp_path / "run" / "best").read_text().strip()  # the best validation's checkpoint is what eval loads
     assert report["drafter_checkpoint"] == str(tmp_path / "run" / best)
+    assert report["drafter_precision"] == "int8"  # auto: a float32 drafter on a CPU drafts in int8
+    assert "drafter weights in int8" in (tmp_path / "eval" / "report.md").read_text()
 
 
 def test_extract_refuses_an_unfinished_data_stage(tmp_path):

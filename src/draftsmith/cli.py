@@ -42,7 +42,7 @@ TreeOpt = Annotated[
     typer.Option(help="draft trees: depth=D,topk=K[,total=N] | auto (a short tune first) | a tune.json"),
 ]
 PrecisionOpt = Annotated[
-    str, typer.Option(help="EAGLE-3 weights while drafting: float32 | int8 (CPU: a quarter of the bytes a step reads)")
+    str, typer.Option(help="EAGLE-3 weights while drafting: auto (int8 on a CPU) | float32 | int8 (1/4 of the bytes)")
 ]
 DataDirOpt = Annotated[
     Path | None, typer.Option(envvar="DRAFTSMITH_DATA", help="folder with mt_bench/humaneval/gsm8k files")
@@ -62,7 +62,7 @@ def eval_cmd(
     top_p: float = 1.0,
     num_draft_tokens: Annotated[int, typer.Option(help="most draft tokens verified per target forward")] = 7,
     draft_length: Annotated[str, typer.Option(help="EAGLE-3: adaptive (stop when not paying) | fixed")] = "adaptive",
-    drafter_precision: PrecisionOpt = "float32",
+    drafter_precision: PrecisionOpt = "auto",
     fixed_chain: Annotated[str, typer.Option(help="the fixed-chain twin: timed | replayed (T=0, no target run)")] = (
         "timed"
     ),
@@ -348,7 +348,7 @@ def tune(
     totals: Annotated[str, typer.Option(help="tree total tokens to try")] = "8,16,32,48",
     chains: Annotated[str, typer.Option(help="chain lengths to try")] = "2,3,4,5,6,7,8",
     dtype: str = "float32",
-    drafter_precision: PrecisionOpt = "float32",
+    drafter_precision: PrecisionOpt = "auto",
     out: Annotated[Path, typer.Option(help="where tune.json goes")] = Path("runs/tune"),
 ) -> None:
     """Time this machine's verify and draft costs, replay acceptance on prompts, and print the tree shape (or chain)
@@ -380,7 +380,7 @@ def serve(
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none")] = 256,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's choice)")] = None,
     dtype: str = "float32",
-    drafter_precision: PrecisionOpt = "float32",
+    drafter_precision: PrecisionOpt = "auto",
     api_key: Annotated[
         str | None, typer.Option(envvar="DRAFTSMITH_API_KEY", help="require `Authorization: Bearer KEY` on /v1")
     ] = None,

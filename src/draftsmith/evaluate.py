@@ -274,7 +274,8 @@ def render_markdown(report: dict) -> str:
         f"# draftsmith eval: {report['drafter']} on {report['target']}",
         "",
         f"Dataset `{report['dataset']}`, {report['max_new_tokens']} new tokens max, "
-        f"T={report['temperature']}, up to {report['num_draft_tokens']} draft tokens.",
+        f"T={report['temperature']}, up to {report['num_draft_tokens']} draft tokens"
+        + (f", drafter weights in {report['drafter_precision']}." if report.get("drafter_precision") else "."),
         "",
         "| metric | value |",
         "| --- | ---: |",

@@ -212,7 +212,7 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     """Evaluate `cfg.drafter` and every drafter in `cfg.compare` against one shared, interleaved baseline; write
     one report per drafter (the first in `cfg.out`, the others in `cfg.out/<name>`)."""
     from draftsmith.data.sources import load_eval_prompts
-    from draftsmith.drafters import fixed_twin
+    from draftsmith.drafters import drafter_precision, fixed_twin
     from draftsmith.drafters.merged import MergedDrafter
     from draftsmith.evaluate import evaluate_drafters, merge_fixed, write_report
     from draftsmith.formats.load import build_drafter, checkpoint_dir, learned_part, trained_depth
@@ -272,7 +272,7 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     for i, (spec, report) in enumerate(zip(specs, reports, strict=True)):
         learned = learned_part(spec)
         report["drafter_checkpoint"] = str(checkpoint_dir(learned)) if Path(learned).is_dir() else None
-        report["drafter_precision"] = precision if Path(learned).is_dir() else None
+        report["drafter_precision"] = drafter_precision(drafters[i])
         write_report(report, cfg.out if i == 0 else cfg.out / _safe_name(spec))
     return reports
 
@@ -290,7 +290,7 @@ class TuneConfig(StageConfig):
     topks: list[int] = [2, 4, 8]
     totals: list[int] = [8, 16, 32, 48]
     chains: list[int] = [2, 3, 4, 5, 6, 7, 8]
-    drafter_precision: Literal["float32", "int8"] = "float32"  # EAGLE-3 weights while drafting, as served
+    drafter_precision: Literal["auto", "float32", "int8"] = "auto"  # EAGLE-3 weights while drafting, as served
     out: Path = Path("runs/tune")
 
 

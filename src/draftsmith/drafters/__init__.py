@@ -73,4 +73,12 @@ def fixed_twin(drafter: Drafter) -> Drafter | None:
     learned = drafter.parts[0] if merged else drafter
     if not isinstance(learned, Eagle3Drafter) or (learned.budget.is_fixed and not merged):
         return None
-    return Eagle3Drafter(learned.model, learned.name, DraftBudget.fixed())
+    return Eagle3Drafter(learned.model, learned.name, DraftBudget.fixed(), precision=learned.precision)
+
+
+def drafter_precision(drafter: Drafter) -> str | None:
+    """The precision an EAGLE-3 drafter (alone or the learned part of a merge) drafts at; None for the others."""
+    from draftsmith.drafters.merged import MergedDrafter
+
+    learned = drafter.parts[0] if isinstance(drafter, MergedDrafter) else drafter
+    return getattr(learned, "precision", None)

@@ -44,7 +44,7 @@ class ServeConfig(StageConfig):
     drafter: str = "ngram"
     num_draft_tokens: int = Field(default=7, ge=1, le=64)
     tree: str | None = None  # draft trees: "depth=D,topk=K,total=N", "auto" (a short tune first), or a tune.json
-    drafter_precision: Literal["float32", "int8"] = "float32"  # EAGLE-3 weights while drafting (int8: CPU)
+    drafter_precision: Literal["auto", "float32", "int8"] = "auto"  # EAGLE-3 weights while drafting (auto: int8 on CPU)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     model_name: str | None = None
