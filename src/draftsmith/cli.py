@@ -221,6 +221,7 @@ def train(
     target: TargetOpt = "smollm2-135m",
     algo: Annotated[str, typer.Option(help="drafter algorithm: eagle3 | dflash")] = "eagle3",
     max_steps: int | None = None,
+    max_minutes: Annotated[float | None, typer.Option(help="or as many steps as fit in this time (re-planned)")] = None,
     epochs: float = 1.0,
     batch_size: int = 8,
     lr: float = 1e-4,

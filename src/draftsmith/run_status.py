@@ -41,6 +41,9 @@ class Status:
         write_atomic(self.path, json.dumps({"stages": self.stages}, indent=2) + "\n")
 
 
+TRAINER_STATE = "trainer_state.pt"  # train.trainer.STATE_FILE: the resume state beside a checkpoint's weights
+
+
 def stage_fingerprint(stage: str, directory: Path) -> str | None:
     """A hash of what `stage` wrote into `directory` (None if it holds nothing yet)."""
     if not directory.is_dir():
@@ -52,7 +55,8 @@ def stage_fingerprint(stage: str, directory: Path) -> str | None:
         if not latest.is_file():
             return None
         checkpoint = directory / latest.read_text().strip()
-        files = [latest, *sorted(p for p in checkpoint.rglob("*") if p.is_file())]
+        # what the stages after it read: the drafter, not its optimiser state or the wall time it took to train
+        files = [latest, *sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != TRAINER_STATE)]
     else:
         files = sorted(p for p in directory.rglob("*") if p.is_file() and not _hidden(p, directory))
     return _hash_files(files, directory)
