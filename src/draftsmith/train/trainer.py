@@ -378,9 +378,14 @@ class Trainer:
     def _fit_budget(self, spent: float) -> None:
         """Re-plan the run to the steps that fit in `max_minutes` at the wall time per step so far (`spent` seconds
         over `self.step` steps, validation and checkpoints included), never past the planned steps."""
-        if self.step >= PLAN_AFTER:
-            fits = int(60 * self.cfg.max_minutes * self.step / spent)
-            self.total_steps = max(self.step, min(self.planned_steps, fits))
+        if self.step < PLAN_AFTER:
+            return
+        fits = int(60 * self.cfg.max_minutes * self.step / spent)
+        self.total_steps = max(self.step, min(self.planned_steps, fits))
+        if self.world > 1:  # every rank stops at rank 0's plan, or the others would wait on it forever
+            plan = torch.tensor([self.total_steps], device=self.device)
+            dist.broadcast(plan, 0)
+            self.total_steps = int(plan)
 
     def save(self, best: bool = False) -> None:
         """Write the checkpoint under a temporary name, rename it into place, then point `latest` (and, when it
