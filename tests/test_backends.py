@@ -96,7 +96,7 @@ def test_transformers_backend_computes_in_a_cast_copy_and_a_store_keeps_one_prec
 
 @pytest.mark.parametrize("native", [True, False])
 def test_dtype_auto_casts_to_bf16_only_where_the_hardware_computes_it(monkeypatch, native, capsys):
-    """On an AVX2 CPU emulated bf16 ran 6.7x slower than float32: `auto` must then keep the target's dtype, and
+    """On an AVX2 CPU emulated bf16 ran 8x slower than float32: `auto` must then keep the target's dtype, and
     the manifest and the console must say which precision the features were computed in."""
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
     target = tiny_target(0)

@@ -174,8 +174,9 @@ class Target:
 
 def bf16_is_native(device: torch.device | str) -> bool:
     """Does `device` compute bfloat16 matmuls in hardware: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or
-    AMX (as oneDNN reports)? Elsewhere bf16 is emulated and slow: a bf16 linear over 128 rows ran at 11 GFLOP/s on a
-    2-core AVX2 EPYC against float32's 76 (6.7x slower), where on an AMX Xeon it ran ~8x faster than float32."""
+    AMX (as oneDNN reports)? Elsewhere bf16 is emulated and slow: a bf16 linear over 128 rows ran at 15 GFLOP/s on a
+    2-core AVX2 EPYC against float32's 121 (8x slower; `benchmarks/bf16_rate.py`), where on an AMX Xeon it ran ~8x
+    faster than float32."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
