@@ -3,13 +3,14 @@
 Why packed: `F.linear` on CPU re-packs the weight matrix on every call that has more than one input row, and a target
 forward is memory-bound, so a verify forward over 2-8 tokens cost ~1.8-2x a one-token forward and the drafter had
 to win back that whole difference. Packed once at load, it costs ~1.1-1.4x (SmolLM2-135M, 2 cores, KV cache of 200:
-`benchmarks/verify_cost.py`). A one-row call keeps plain `F.linear`, which re-packs nothing: on an AMX Xeon the two
-cost the same, on an AVX2 EPYC the packed kernel was ~1.25x slower for one row. Every caller of the model gets the
-same layers, so `model.generate`, plain decoding and verification stay comparable, and a speed-up measures speculation.
+`benchmarks/verify_cost.py`). A one-row call keeps plain `F.linear`, which has nothing to re-pack for one row (on an
+AMX Xeon the two cost the same; not measured quietly against the packed kernel elsewhere). Every caller of the
+model gets the same layers, so `model.generate`, plain decoding and verification stay comparable, and a speed-up
+measures speculation.
 
 Why int8: a drafter step is a handful of one-row matmuls, bound by reading ~26 MB of float32 weights (SmolLM2's
 EAGLE-3 layer + a 4096-token head). `Int8Linear` keeps them as int8 rows with one scale each (fbgemm, activations
-quantised per call), a quarter of the bytes: ~2.5x faster steps on the AVX2 EPYC (`benchmarks/drafter_step.py`).
+quantised per call), a quarter of the bytes: 2.4x faster steps on the AVX2 EPYC (`benchmarks/drafter_step.py`).
 Only drafters use it: what they propose is verified by the float32 target, so their precision moves acceptance
 (a 1-2 % relative error in the logits), never the output.
 """
@@ -55,7 +56,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         usable = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        one_row = x.numel() == x.shape[-1]  # nothing to re-pack, and the plain kernel is never slower
+        one_row = x.numel() == x.shape[-1]  # nothing to re-pack: the plain kernel reads the weight as it is
         if not usable or training or one_row:
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()

@@ -41,7 +41,7 @@ class Status:
         write_atomic(self.path, json.dumps({"stages": self.stages}, indent=2) + "\n")
 
 
-TRAINER_STATE = "trainer_state.pt"  # train.trainer.STATE_FILE: the resume state beside a checkpoint's weights
+TRAINER_STATE = "trainer_state.pt"  # the trainer's resume state beside a checkpoint's weights (train.trainer)
 
 
 def stage_fingerprint(stage: str, directory: Path) -> str | None:

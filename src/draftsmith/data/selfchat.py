@@ -16,7 +16,7 @@ Output: `chat.jsonl` in the data directory, one {"id", "messages", "kind"} per l
 a re-run skips the batches already there (each batch's RNG comes from the seed and its index).
 
 A time budget (`minutes`) makes the data fit a machine instead of a count: the same profile wrote 533 tokens/s on
-an AMX Xeon (bf16) and 161 on an AVX2 EPYC (float32). No batch starts that would end past the budget at the mean
+an AMX Xeon (bf16) and 229 on an AVX2 EPYC (float32). No batch starts that would end past the budget at the mean
 batch time so far (the first always runs); the seconds spent are kept beside the chats (`chat.seconds.json`), so a
 resumed run spends only what is left. The chats written are always a prefix of the chats a larger budget writes.
 """
