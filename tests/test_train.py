@@ -280,3 +280,16 @@ def test_bf16_training_follows_float32_and_micro_batches_change_nothing(tmp_path
     assert losses[2] == pytest.approx(losses[0], rel=1e-5)
     assert runs["bf16"].val["positions"] == runs["fp32"].val["positions"]
     assert abs(runs["bf16"].val["acc_0"] - runs["fp32"].val["acc_0"]) <= 0.25
+
+
+def test_the_pipeline_leaves_the_trainers_resume_state_out_of_the_train_fingerprint(tmp_path):
+    """The train stage's fingerprint must skip exactly the file the trainer writes its resume state to."""
+    from draftsmith.run_status import TRAINER_STATE, stage_fingerprint
+
+    assert trainer_module.STATE_FILE == TRAINER_STATE
+    _, data, weights, config = setup()
+    run(TrainConfig(max_steps=1, batch_size=2, ttt_steps=2, val_fraction=0), data, weights, config, tmp_path)
+    before = stage_fingerprint("train", tmp_path)
+    state = next((tmp_path / "checkpoints").iterdir()) / TRAINER_STATE
+    state.write_bytes(state.read_bytes() + b"\0")  # another wall time, the same drafter
+    assert stage_fingerprint("train", tmp_path) == before

@@ -41,7 +41,8 @@ class Status:
         write_atomic(self.path, json.dumps({"stages": self.stages}, indent=2) + "\n")
 
 
-TRAINER_STATE = "trainer_state.pt"  # the trainer's resume state beside a checkpoint's weights (train.trainer)
+# train.trainer.STATE_FILE, named here because the pipeline layer does not import the trainer (tests/test_layers.py)
+TRAINER_STATE = "trainer_state.pt"
 
 
 def stage_fingerprint(stage: str, directory: Path) -> str | None:

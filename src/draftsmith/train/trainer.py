@@ -39,14 +39,13 @@ from draftsmith.drafters.dflash import DFlashConfig, DFlashModel
 from draftsmith.drafters.eagle3 import CONFIG_FILE, WEIGHTS_FILE, Eagle3Config, Eagle3Model
 from draftsmith.errors import ConfigError, DataError
 from draftsmith.progress import progress_bar
-from draftsmith.run_status import TRAINER_STATE
 from draftsmith.target import AUTO, bf16_is_native
 from draftsmith.train.losses import DFlashObjective, TTTObjective, target_top
 from draftsmith.train.metrics import MetricsWriter, StepStats, plot_curves, read_metrics
 from draftsmith.train.optim import build_optimizer
 from draftsmith.util import crash_point, fsync_tree, replace_durable, swap_dirs, sweep_temp, temp_path, write_atomic
 
-STATE_FILE = TRAINER_STATE  # the resume state beside a checkpoint's weights (not in the train stage's fingerprint)
+STATE_FILE = "trainer_state.pt"  # the resume state beside a checkpoint's weights (run_status.TRAINER_STATE)
 # Settings a resumed run may change; any other difference would silently change the run, so it is an error.
 RESUMABLE = {"max_steps", "max_minutes", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every", "fsdp"}
 PLAN_AFTER = 5  # steps timed before a time budget re-plans the run's length
