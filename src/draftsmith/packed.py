@@ -3,10 +3,11 @@
 Why packed: `F.linear` on CPU re-packs the weight matrix on every call that has more than one input row, and a target
 forward is memory-bound, so a verify forward over 2-8 tokens cost ~1.8-2x a one-token forward and the drafter had
 to win back that whole difference. Packed once at load, it costs ~1.1-1.4x (SmolLM2-135M, 2 cores, KV cache of 200:
-`benchmarks/verify_cost.py`). A one-row call keeps plain `F.linear`, which has nothing to re-pack for one row (on an
-AMX Xeon the two cost the same; not measured quietly against the packed kernel elsewhere). Every caller of the
-model gets the same layers, so `model.generate`, plain decoding and verification stay comparable, and a speed-up
-measures speculation.
+`benchmarks/verify_cost.py`). For one row, which kernel is faster depends on the CPU: the two cost the same on an AMX
+Xeon, while on an AVX512 EPYC the packed kernel read SmolLM2's 49152x576 head in 1.6 ms against `F.linear`'s 7.2 (a
+one-token target forward 22-26 ms against 44), so it is timed once a process (`packed_one_row_is_faster`). Every
+caller of the model gets the same layers, so `model.generate`, plain decoding and verification stay comparable,
+and a speed-up measures speculation, not a faster kernel.
 
 Why int8: a drafter step is a handful of one-row matmuls, bound by reading ~26 MB of float32 weights (SmolLM2's
 EAGLE-3 layer + a 4096-token head). `Int8Linear` keeps them as int8 rows with one scale each (fbgemm, activations
@@ -15,6 +16,9 @@ Only drafters use it: what they propose is verified by the float32 target, so th
 (a 1-2 % relative error in the logits), never the output.
 """
 
+import functools
+import statistics
+import time
 import warnings
 
 import torch
@@ -34,6 +38,27 @@ def can_pack(model: nn.Module) -> bool:
     )
 
 
+@functools.cache
+def packed_one_row_is_faster() -> bool:
+    """Does oneDNN's packed kernel beat `F.linear` on one input row on this CPU? Timed once a process on a 4096x1024
+    matrix (beyond L2, like a target's layers), interleaved, median of 15 calls each: ~10 ms."""
+    weight, x = torch.randn(4096, 1024), torch.randn(1, 1024)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+    calls = {
+        "plain": lambda: nn.functional.linear(x, weight),
+        "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    with torch.inference_mode():
+        for rep in range(18):
+            for name, call in calls.items():
+                began = time.perf_counter()
+                call()
+                if rep >= 3:  # the first calls warm the caches up
+                    seconds[name].append(time.perf_counter() - began)
+    return statistics.median(seconds["packed"]) < statistics.median(seconds["plain"])
+
+
 class PackedLinear(nn.Module):
     """An inference-only stand-in for `nn.Linear`: same `weight` parameter (state dict, ties and fingerprints are
     unchanged), plus a oneDNN-packed copy that `forward` uses. The copy is re-made whenever the weight changes
@@ -45,6 +70,7 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self._packed: tuple[tuple[int, int], torch.Tensor] | None = None  # (weight's identity, packed copy)
+        self.one_row_packed = packed_one_row_is_faster()  # else one-row calls take F.linear (module docstring)
 
     def _packed_weight(self) -> torch.Tensor:
         weight = self.weight
@@ -56,7 +82,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         usable = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        one_row = x.numel() == x.shape[-1]  # nothing to re-pack: the plain kernel reads the weight as it is
+        one_row = x.numel() == x.shape[-1] and not self.one_row_packed
         if not usable or training or one_row:
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
