@@ -4,8 +4,8 @@ Why packed: `F.linear` on CPU re-packs the weight matrix on every call that has 
 forward is memory-bound, so a verify forward over 2-8 tokens cost ~1.8-2x a one-token forward and the drafter had
 to win back that whole difference. Packed once at load, it costs ~1.1-1.4x (SmolLM2-135M, 2 cores, KV cache of 200:
 `benchmarks/verify_cost.py`). For one row, which kernel is faster depends on the CPU: the two cost the same on an AMX
-Xeon, while on an AVX512 EPYC the packed kernel read SmolLM2's 49152x576 head in 1.6 ms against `F.linear`'s 7.2 (a
-one-token target forward 22-26 ms against 44), so it is timed once a process (`packed_one_row_is_faster`). Every
+Xeon, while on an AVX512 EPYC a one-token target forward took 31.2 ms packed against 44.0 with `F.linear`
+(`benchmarks/verify_cost.py --reps 3`), so it is timed once a process (`packed_one_row_is_faster`). Every
 caller of the model gets the same layers, so `model.generate`, plain decoding and verification stay comparable,
 and a speed-up measures speculation, not a faster kernel.
 
