@@ -14,7 +14,7 @@ when τ(k) · plain ms/token > round(k). The table gives both factors, so a draf
 judged without re-running. Run it on a quiet machine; it prints a measurement and exits 0.
 
     .venv/bin/python benchmarks/llamacpp_draft_cost.py --drafter runs/x/gguf/drafter.gguf [--gguf-target f32]
-        [--max-k 6] [--prompts 10] [--max-new-tokens 128] [--threads 2]
+        [--max-k 6] [--prompts 10] [--max-new-tokens 128] [--threads 2] [--draft-threads 2,1]
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-k", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draft-threads", default="", help="comma list, e.g. 2,1: a row per k per drafter thread "
+                        "count (default: llama.cpp's, the target's --threads)")  # fmt: skip
     args = parser.parse_args()
 
     lc = installed()
@@ -62,33 +64,40 @@ def main() -> int:
     prompts = [encode_chat(target.tokenizer, c.messages) for c in convs]
     gguf = served_target(args.target, args.gguf_target)
     ctx = max(len(p) for p in prompts) + args.max_new_tokens + 64
-    drafts = {0: None, **{k: Draft(args.drafter, k, n_min=k, p_min=0.0) for k in range(1, args.max_k + 1)}}
-    runs: dict[int, list[Completion]] = {k: [] for k in drafts}
+    thread_counts = [int(t) for t in args.draft_threads.split(",") if t] or [None]
+    drafts: dict[tuple[int, int | None], Draft | None] = {(0, None): None}
+    for k in range(1, args.max_k + 1):
+        for td in thread_counts:
+            drafts[k, td] = Draft(args.drafter, k, n_min=k, p_min=0.0, threads=td)
+    runs: dict[tuple[int, int | None], list[Completion]] = {key: [] for key in drafts}
     with ExitStack() as stack:
-        servers = {k: stack.enter_context(LlamaServer(lc, gguf, d, args.threads, ctx)) for k, d in drafts.items()}
+        servers = {key: stack.enter_context(LlamaServer(lc, gguf, d, args.threads, ctx)) for key, d in drafts.items()}
         for server in servers.values():
             server.complete(prompts[0], 16)
         order = list(servers)
         for i, ids in enumerate(prompts):
             shift = i % len(order)
-            for k in order[shift:] + order[:shift]:
-                runs[k].append(servers[k].complete(ids, args.max_new_tokens, seed=i))
-    plain = row(runs[0])
+            for key in order[shift:] + order[:shift]:
+                runs[key].append(servers[key].complete(ids, args.max_new_tokens, seed=i))
+    plain = row(runs[0, None])
     print(f"llama-server, target {gguf.name}, drafter {args.drafter}, {len(prompts)} prompts of {args.dataset}, "
           f"{args.max_new_tokens} tokens, {args.threads} threads")  # fmt: skip
-    print(f"{'k':>3} {'ms/round':>9} {'round/plain':>11} {'tau':>6} {'accept':>7} {'tok/s':>7} {'speedup':>8}")
-    best = 0
-    for k in drafts:
-        r = row(runs[k])
+    print(f"{'k':>3} {'td':>3} {'ms/round':>9} {'round/plain':>11} {'tau':>6} {'accept':>7} {'tok/s':>7} {'speedup':>8}")
+    best = (0, None)
+    for key in drafts:
+        r = row(runs[key])
         speedup = r["tok_s"] / plain["tok_s"] if plain["tok_s"] else 0.0
-        print(f"{k:>3} {r['ms_per_round']:>9.2f} {r['ms_per_round'] / plain['ms_per_round']:>11.2f} {r['tau']:>6.2f} "
-              f"{r['acceptance']:>7.3f} {r['tok_s']:>7.1f} {speedup:>7.2f}x")  # fmt: skip
+        k, td = key
+        print(f"{k:>3} {td or '-':>3} {r['ms_per_round']:>9.2f} {r['ms_per_round'] / plain['ms_per_round']:>11.2f} "
+              f"{r['tau']:>6.2f} {r['acceptance']:>7.3f} {r['tok_s']:>7.1f} {speedup:>7.2f}x")  # fmt: skip
         if r["tok_s"] > row(runs[best])["tok_s"]:
-            best = k
-    if best == 0:
+            best = key
+    if best[0] == 0:
         print("no chain length beats plain llama-server: do not serve this drafter with this target")
     else:
-        print(f"fastest: --spec-draft-n-max {best} --spec-draft-n-min {best} --spec-draft-p-min 0")
+        k, td = best
+        threads = f" --spec-draft-threads {td}" if td else ""
+        print(f"fastest: --spec-draft-n-max {k} --spec-draft-n-min {k} --spec-draft-p-min 0{threads}")
     return 0
 
 

@@ -29,13 +29,15 @@ _METRIC = re.compile(r'^llamacpp:(\w+)(?:\{position="(\d+)"\})?\s+(\S+)$')
 @dataclass(frozen=True)
 class Draft:
     """The drafter (EAGLE-3 or DFlash: `spec_type`) a server runs beside its target; `n_min == n_max` and `p_min 0`
-    draft a fixed chain, None leaves llama.cpp's default."""
+    draft a fixed chain, None leaves llama.cpp's default. `threads`: the drafter's own thread count (llama.cpp
+    gives it the target's by default; a one-layer drafter may lose more to thread sync than it gains)."""
 
     model: Path
     n_max: int = 3
     n_min: int | None = None
     p_min: float | None = None
     spec_type: str = "draft-eagle3"
+    threads: int | None = None
 
     def args(self) -> list[str]:
         args = ["-md", str(self.model), "--spec-type", self.spec_type, "--spec-draft-n-max", str(self.n_max)]
@@ -43,6 +45,8 @@ class Draft:
             args += ["--spec-draft-n-min", str(self.n_min)]
         if self.p_min is not None:
             args += ["--spec-draft-p-min", str(self.p_min)]
+        if self.threads is not None:
+            args += ["--spec-draft-threads", str(self.threads), "--spec-draft-threads-batch", str(self.threads)]
         return args
 
 
