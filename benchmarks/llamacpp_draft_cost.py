@@ -82,7 +82,8 @@ def main() -> int:
     plain = row(runs[0, None])
     print(f"llama-server, target {gguf.name}, drafter {args.drafter}, {len(prompts)} prompts of {args.dataset}, "
           f"{args.max_new_tokens} tokens, {args.threads} threads")  # fmt: skip
-    print(f"{'k':>3} {'td':>3} {'ms/round':>9} {'round/plain':>11} {'tau':>6} {'accept':>7} {'tok/s':>7} {'speedup':>8}")
+    header = ("k", 3), ("td", 3), ("ms/round", 9), ("round/plain", 11), ("tau", 6), ("accept", 7), ("tok/s", 7)
+    print(" ".join(f"{name:>{width}}" for name, width in header), f"{'speedup':>8}")
     best = (0, None)
     for key in drafts:
         r = row(runs[key])

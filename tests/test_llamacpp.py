@@ -154,7 +154,7 @@ def test_gguf_export_serves_losslessly_with_draftsmith_acceptance(llamacpp, tiny
     ids = prompts(target)
     with LlamaServer(llamacpp, out / "target-f32.gguf", ctx_size=512) as plain:
         base = [plain.complete(p, NEW_TOKENS) for p in ids]
-    draft = Draft(out / "drafter.gguf", 3, n_min=3, p_min=0.0)
+    draft = Draft(out / "drafter.gguf", 3, n_min=3, p_min=0.0, threads=1)  # llama-server takes the drafter's threads
     with LlamaServer(llamacpp, out / "target-f32.gguf", draft, ctx_size=512) as spec:
         runs = [spec.complete(p, NEW_TOKENS) for p in ids]
         metrics = spec.metrics()
@@ -262,8 +262,8 @@ def test_dflash_gguf_export_serves_losslessly(llamacpp, tiny, tmp_path, private_
     assert "--spec-type draft-dflash --spec-draft-n-max 3" in card and "target_layer_ids` = [0, 1, 2]" in card
     from draftsmith.config import EvalConfig
 
-    draft = draft_for(out / "drafter.gguf", EvalConfig(num_draft_tokens=3, draft_length="fixed"))
-    assert draft.spec_type == "draft-dflash"
+    draft = draft_for(out / "drafter.gguf", EvalConfig(num_draft_tokens=3, draft_length="fixed", draft_threads=1))
+    assert draft.spec_type == "draft-dflash" and draft.args()[-2:] == ["--spec-draft-threads-batch", "1"]
     ids = prompts(target)
     with LlamaServer(llamacpp, out / "target-f32.gguf", ctx_size=512) as plain:
         base = [plain.complete(p, NEW_TOKENS) for p in ids]

@@ -80,6 +80,9 @@ def eval_cmd(
         "f32"
     ),
     threads: Annotated[int, typer.Option(help="llama.cpp: threads per llama-server")] = 2,
+    draft_threads: Annotated[int | None, typer.Option(help="llama.cpp: the drafter's threads (default: --threads)")] = (
+        None
+    ),
 ) -> None:
     """Speculative decoding vs plain decoding on a prompt set: acceptance length, speedup, identical output. With
     --tree, the tree and its drafter's chains (fixed --num-draft-tokens, and adaptive) run side by side; with

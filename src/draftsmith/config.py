@@ -49,3 +49,4 @@ class EvalConfig(StageConfig):
     engine: Literal["draftsmith", "llama.cpp"] = "draftsmith"  # whose decoding loop runs the drafter
     gguf_target: str = "f32"  # llama.cpp: the target as served: f32 | bf16 | q8_0 | q4_1 | a .gguf file
     threads: int = Field(default=2, ge=1)  # llama.cpp: threads of each llama-server
+    draft_threads: int | None = Field(default=None, ge=1)  # llama.cpp: the drafter's own (default: `threads`)

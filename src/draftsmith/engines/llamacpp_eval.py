@@ -43,10 +43,10 @@ def draft_for(drafter_gguf: Path, cfg: EvalConfig) -> Draft:
     own stopping rules (`adaptive`: its default n_min and p_min). The GGUF's architecture says EAGLE-3 or DFlash."""
     from draftsmith.formats.gguf import architecture
 
-    spec_type = f"draft-{architecture(drafter_gguf)}"
+    kind = {"spec_type": f"draft-{architecture(drafter_gguf)}", "threads": cfg.draft_threads}
     if cfg.draft_length == "fixed":
-        return Draft(drafter_gguf, cfg.num_draft_tokens, n_min=cfg.num_draft_tokens, p_min=0.0, spec_type=spec_type)
-    return Draft(drafter_gguf, cfg.num_draft_tokens, spec_type=spec_type)
+        return Draft(drafter_gguf, cfg.num_draft_tokens, n_min=cfg.num_draft_tokens, p_min=0.0, **kind)
+    return Draft(drafter_gguf, cfg.num_draft_tokens, **kind)
 
 
 def evaluate_llamacpp(
