@@ -45,7 +45,7 @@ from draftsmith.target import load_target
 from draftsmith.train.trainer import TrainConfig
 
 COMMON = dict(batch_size=8, lr=1.0e-3, warmup_steps=30, max_length=512, eval_every=50, checkpoint_every=100)
-EAGLE3 = COMMON | dict(algo="eagle3", ttt_steps=4, norm_before_fc=True, norm_before_residual=True, norm_output=True)
+EAGLE3 = COMMON | dict(algo="eagle3", ttt_steps=4, norm_before_fc=True, norm_before_residual=True)  # as eagle3.yaml
 DFLASH = COMMON | dict(algo="dflash", block_size=8, draft_layers=2, anchors=16, draft_vocab=True)  # as cpu-full
 PROBE_STEPS = 4
 
