@@ -22,14 +22,14 @@ def run(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return net.head(net[2](net[1](net[0](x))))
 
 
-@pytest.mark.parametrize("one_row_packed", [False, True])
+@pytest.mark.parametrize("plain_rows", [frozenset(), frozenset(range(1, 9))])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 33])
-def test_packed_layers_compute_what_linear_computes(rows, one_row_packed):
-    """Whichever kernel this CPU's timing picks for one-row calls."""
+def test_packed_layers_compute_what_linear_computes(rows, plain_rows):
+    """Whichever kernel this CPU's timing picks for each row count."""
     plain, packed = model(), model()
     assert pack_linears(packed) == 3 and isinstance(packed.head, PackedLinear)
     for layer in (packed[0], packed[2], packed.head):
-        layer.one_row_packed = one_row_packed
+        layer.plain_rows = plain_rows
     x = torch.randn(rows, 64)
     with torch.inference_mode():
         torch.testing.assert_close(run(packed, x), run(plain, x), rtol=1e-5, atol=1e-5)

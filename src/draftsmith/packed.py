@@ -3,9 +3,10 @@
 Why packed: `F.linear` on CPU re-packs the weight matrix on every call that has more than one input row, and a target
 forward is memory-bound, so a verify forward over 2-8 tokens cost ~1.8-2x a one-token forward and the drafter had
 to win back that whole difference. Packed once at load, it costs ~1.1-1.4x (SmolLM2-135M, 2 cores, KV cache of 200:
-`benchmarks/verify_cost.py`). For one row, which kernel is faster depends on the CPU: the two cost the same on an AMX
-Xeon, while on an AVX512 EPYC a one-token target forward took 31.2 ms packed against 44.0 with `F.linear`
-(`benchmarks/verify_cost.py --reps 3`), so it is timed once a process (`packed_one_row_is_faster`). Every
+`benchmarks/verify_cost.py`). For a few rows, which kernel is faster depends on the CPU: on an AVX512 EPYC a
+one-token target forward took 31.2 ms packed against 44.0 with `F.linear`, while on an AMX Xeon `F.linear` won for
+1-3 rows (a 2-token verify 35.2 ms against 47.7 packed; packed from 4 rows on), so the choice is timed once a
+process for each row count up to `BATCH_HINT` (`plain_row_counts`). Every
 caller of the model gets the same layers, so `model.generate`, plain decoding and verification stay comparable,
 and a speed-up measures speculation, not a faster kernel.
 
@@ -39,24 +40,31 @@ def can_pack(model: nn.Module) -> bool:
 
 
 @functools.cache
-def packed_one_row_is_faster() -> bool:
-    """Does oneDNN's packed kernel beat `F.linear` on one input row on this CPU? Timed once a process on a 4096x1024
-    matrix (beyond L2, like a target's layers), interleaved, median of 15 calls each: ~10 ms."""
-    weight, x = torch.randn(4096, 1024), torch.randn(1, 1024)
+def plain_row_counts() -> frozenset[int]:
+    """The input-row counts (1..BATCH_HINT) for which `F.linear` beats oneDNN's packed kernel on this CPU; above
+    BATCH_HINT the packed kernel wins everywhere measured. Timed once a process on a 4096x1024 matrix (beyond L2,
+    like a target's layers; its crossover matched whole-model forwards on both hosts above), interleaved, median of
+    15 calls each: ~0.1 s."""
+    weight = torch.randn(4096, 1024)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-    calls = {
-        "plain": lambda: nn.functional.linear(x, weight),
-        "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-    }
-    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    plain_wins = set()
     with torch.inference_mode():
-        for rep in range(18):
-            for name, call in calls.items():
-                began = time.perf_counter()
-                call()
-                if rep >= 3:  # the first calls warm the caches up
-                    seconds[name].append(time.perf_counter() - began)
-    return statistics.median(seconds["packed"]) < statistics.median(seconds["plain"])
+        for rows in range(1, BATCH_HINT + 1):
+            x = torch.randn(rows, 1024)
+            calls = {
+                "plain": lambda: nn.functional.linear(x, weight),
+                "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+            }
+            seconds: dict[str, list[float]] = {name: [] for name in calls}
+            for rep in range(18):
+                for name, call in calls.items():
+                    began = time.perf_counter()
+                    call()
+                    if rep >= 3:  # the first calls warm the caches up
+                        seconds[name].append(time.perf_counter() - began)
+            if statistics.median(seconds["plain"]) < statistics.median(seconds["packed"]):
+                plain_wins.add(rows)
+    return frozenset(plain_wins)
 
 
 class PackedLinear(nn.Module):
@@ -70,7 +78,7 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self._packed: tuple[tuple[int, int], torch.Tensor] | None = None  # (weight's identity, packed copy)
-        self.one_row_packed = packed_one_row_is_faster()  # else one-row calls take F.linear (module docstring)
+        self.plain_rows = plain_row_counts()  # calls with these many rows take F.linear (module docstring)
 
     def _packed_weight(self) -> torch.Tensor:
         weight = self.weight
@@ -82,8 +90,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         usable = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        one_row = x.numel() == x.shape[-1] and not self.one_row_packed
-        if not usable or training or one_row:
+        plain_rows = x.numel() // max(x.shape[-1], 1) in self.plain_rows
+        if not usable or training or plain_rows:
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")
