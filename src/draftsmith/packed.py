@@ -52,8 +52,8 @@ def plain_row_counts() -> frozenset[int]:
         for rows in range(1, BATCH_HINT + 1):
             x = torch.randn(rows, 1024)
             calls = {
-                "plain": lambda: nn.functional.linear(x, weight),
-                "packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                "plain": lambda x=x: nn.functional.linear(x, weight),
+                "packed": lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
             }
             seconds: dict[str, list[float]] = {name: [] for name in calls}
             for rep in range(18):
