@@ -5,19 +5,22 @@ import random
 import pytest
 import torch
 
-from draftsmith.drafters.budget import DraftBudget, measure_costs, measured_budget
+from draftsmith.drafters.budget import DraftBudget, linear_costs, measure_costs, measured_budget
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from tests.conftest import tiny_target
 from tests.test_eagle3 import make_model
 
 
 def test_budget_arithmetic():
-    budget = DraftBudget(verify_cost=1.6, token_cost=0.1, step_cost=0.1)
-    # A chain of 2 costs verify 1.6 + 1 further token 0.1 + 2 drafter steps 0.2 = 1.9 plain steps.
+    budget = DraftBudget(forward_costs=linear_costs(1.6, 0.1), step_cost=0.1)
+    # A chain of 2 costs a forward over 3 tokens (1.7) + 2 drafter steps (0.2) = 1.9 plain steps.
     assert budget.pays(expected=1.0, length=2) and not budget.pays(expected=0.8, length=2)
-    # Once drafted, the 0.2 of drafter steps is spent: the chain is worth its forward (1.7) at 0.8 expected tokens.
-    assert budget.worth_verifying(expected=0.8, length=2) and not budget.worth_verifying(expected=0.6, length=2)
-    assert budget.continues(0.25) and not budget.continues(0.15)
+    # The first token adds 0.6 to the forward and a step; each further one 0.1 and a step.
+    assert budget.continues(0.75, 0) and not budget.continues(0.65, 0)
+    assert budget.continues(0.25, 1) and not budget.continues(0.15, 1)
+    # Verify the prefix with the most expected tokens per forward: 2.4 / 1.7 beats 1.9 / 1.6 and 2.45 / 1.8.
+    assert budget.best_length([0.9, 0.5, 0.05]) == 2
+    assert budget.best_length([0.5]) == 0  # 1.5 tokens for 1.6 steps: a plain step does better
     budget.record([0.9] * 10, [True, False] * 5)  # overconfident drafts: later confidences are scaled down
     assert budget.reach(1.0, 0.9) < 0.9
     budget.settle(paid=False)
@@ -25,7 +28,7 @@ def test_budget_arithmetic():
     budget.settle(paid=False)
     assert [budget.resting() for _ in range(3)] == [True, True, False]
     fixed = DraftBudget.fixed()
-    assert fixed.is_fixed and fixed.pays(0.0, 7) and fixed.continues(0.0)
+    assert fixed.is_fixed and fixed.pays(0.0, 7) and fixed.continues(0.0, 3) and fixed.best_length([0.0] * 4) == 4
     assert not DraftBudget().is_fixed
 
 
@@ -69,16 +72,26 @@ def test_scale_uses_only_decided_tokens():
     assert budget.matched == pytest.approx(2.0) and budget.confidence == pytest.approx(1.4)
 
 
-def test_measure_costs_fits_a_linear_verify_cost():
-    """Synthetic forwards costing 10 ms + 1 ms per extra token and a 2 ms drafter step: the fit recovers the model."""
+def test_a_step_shaped_cost_table_is_followed_not_smoothed():
+    """An AMX Xeon's measured shape: 2-3 token forwards cheaper than one, a jump at 4. The budget verifies 1-2
+    drafts at a confidence a line through the points would refuse, and stops before the jump unless it pays."""
+    budget = DraftBudget(forward_costs=(1.0, 0.85, 0.89, 1.14), step_cost=0.05)
+    assert budget.best_length([0.2]) == 1  # 1.2 tokens for 0.85 of a step
+    assert budget.best_length([0.6, 0.3, 0.1]) == 2  # 1.9 / 0.89 beats 2.0 / 1.14
+    assert budget.continues(0.1, 1) and not budget.continues(0.25, 2)  # the 4th row adds 0.25
+    assert budget.forward_cost(6) == pytest.approx(1.14 + 2 * 0.25)  # past the table: its last step per token
+
+
+def test_measure_costs_times_each_forward_size():
+    """Synthetic forwards costing 30 ms up to 3 tokens and 42 ms from 4, and a 6 ms drafter step: the table keeps
+    the step (a line would not)."""
     import time
 
     def forward(n: int) -> None:
-        time.sleep(0.010 + 0.001 * (n - 1))
+        time.sleep(0.030 if n <= 3 else 0.042)
 
-    costs = measure_costs(forward, lambda: time.sleep(0.002))
-    assert costs.verify_cost == pytest.approx(1.1, abs=0.08)
-    assert costs.token_cost == pytest.approx(0.1, abs=0.05)
+    costs = measure_costs(forward, lambda: time.sleep(0.006), max_new_tokens=5)
+    assert costs.forward_costs == pytest.approx((1.0, 1.0, 1.0, 1.4, 1.4), abs=0.1)
     assert costs.step_cost == pytest.approx(0.2, abs=0.08)
 
 
@@ -86,5 +99,6 @@ def test_measured_budget_on_a_real_target():
     target = tiny_target(1)
     drafter = Eagle3Drafter(make_model(target))
     budget = measured_budget(target, drafter.step_probe(), context=16)
-    assert 0.0 < budget.step_cost < 100.0 and budget.verify_cost < 100.0  # timed, in units of a target step
+    assert 0.0 < budget.step_cost < 100.0 and 0.0 < max(budget.forward_costs) < 100.0  # timed, in target steps
+    assert len(budget.forward_costs) == 9 and budget.forward_costs[0] == 1.0
     assert not budget.is_fixed

@@ -2,19 +2,23 @@
 
 Cost model of one speculative round, in units of one plain decode step (a target forward over one token):
 
-    verify_cost      a forward over the last token + a one-token draft (CPU fp32, SmolLM2, packed weights: ~1.1)
-    token_cost       each further draft token in that forward (~0.05), and `step_cost` for the drafter's own step
-                     that makes a token (~0.065 on the same CPU)
+    forward_costs    a target forward over n new tokens, n = 1, 2, ... (the last token + n - 1 drafts), as a table
+    step_cost        the drafter's own step that makes a token (~0.065 on a CPU, for SmolLM2's EAGLE-3 drafter)
 
-The costs belong to the machine that decodes: `measure_costs` times them there at load (about a second) instead
-of trusting constants measured elsewhere; on a GPU they come out near (1, 0, ~0), i.e. the fixed full chain.
+A table, not a line: on a CPU the cost of a forward is a step function of the row count, set by which matmul
+kernel runs (packed.py). On the AMX Xeon a 2- or 3-token forward cost 0.85-0.89 of a one-token one and a 4-token
+forward 1.14 (`benchmarks/verify_cost.py`); a line fitted through such points says a chain of 3 costs more than
+it does and a chain of 1 more than it does. The costs belong to the machine that decodes: `measure_costs` times
+them there at load (a few seconds) instead of trusting constants measured elsewhere; on a GPU they come out near
+(1, 1, 1, ...) and ~0, i.e. the fixed full chain.
 
 A chain whose i-th token is accepted with probability P_i (the product of the drafter's per-step confidences)
-yields 1 + sum(P_i) tokens. Drafting continues while the next token's P_i exceeds its own cost, and the chain is
-verified if it is worth its forward: 1 + sum(P_i) >= verify_cost + (k - 1) * token_cost (the drafter's steps are
-spent by then). A chain *pays* only if it also covers those steps: + k * step_cost. After a chain that does not pay,
-the drafter rests for a growing number of rounds (its context positions are run later, in one batch), so on text it
-cannot predict it costs almost nothing.
+yields 1 + sum(P_i) tokens. Drafting continues while the next token's P_i exceeds its own marginal cost (its
+drafter step plus what it adds to the forward), and of the chain drafted the prefix with the most expected tokens
+per unit of forward is verified (the drafter's steps are spent by then; no prefix beats a plain step: draft
+nothing). A chain *pays* only if it also covers those steps. After a chain that does not pay, the drafter rests for
+a growing number of rounds (its context positions are run later, in one batch), so on text it cannot predict it
+costs almost nothing.
 
 Calibration. The drafter's softmax confidence c is only roughly calibrated (worse on unfamiliar text), so the
 model is P(token accepted | the chain reached it) = min(1, scale * c). `record` gets, for every drafted token whose
@@ -34,10 +38,18 @@ from dataclasses import dataclass
 import torch
 
 
+def linear_costs(verify_cost: float, token_cost: float, length: int = 9) -> tuple[float, ...]:
+    """A forward-cost table from a one-draft verify cost and a cost per further token (1, verify, verify + token,
+    ...): the shape of the packed-kernel hosts' measurements, used before a machine is measured."""
+    return (1.0, *(verify_cost + (n - 2) * token_cost for n in range(2, length + 1)))
+
+
+DEFAULT_FORWARD_COSTS = linear_costs(1.15, 0.05)  # packed weights, SmolLM2, an AVX512 EPYC (verify_cost.py)
+
+
 @dataclass
 class DraftBudget:
-    verify_cost: float = 1.15
-    token_cost: float = 0.05
+    forward_costs: tuple[float, ...] = DEFAULT_FORWARD_COSTS  # forward over n new tokens: forward_costs[n - 1]
     step_cost: float = 0.065
     decay: float = 0.995  # weight of older tokens in the calibration: a memory of ~200 decided tokens
     confidence: float = 4.0  # decayed sums of raw confidences and of matches: a prior of a few tokens at 1:1
@@ -49,11 +61,19 @@ class DraftBudget:
     @classmethod
     def fixed(cls) -> DraftBudget:
         """Always draft the full length (tests, GPU engines, the fixed-chain quality measurement)."""
-        return cls(verify_cost=0.0, token_cost=0.0, step_cost=0.0)
+        return cls(forward_costs=(0.0,), step_cost=0.0)
 
     @property
     def is_fixed(self) -> bool:
-        return self.verify_cost == self.token_cost == self.step_cost == 0.0
+        return self.step_cost == 0.0 and not any(self.forward_costs)
+
+    def forward_cost(self, new_tokens: int) -> float:
+        """A forward over `new_tokens`; past the table, its last step repeated per token."""
+        table = self.forward_costs
+        if new_tokens <= len(table):
+            return table[new_tokens - 1]
+        slope = table[-1] - table[-2] if len(table) > 1 else 0.0
+        return table[-1] + max(0.0, slope) * (new_tokens - len(table))
 
     @property
     def scale(self) -> float:
@@ -64,19 +84,29 @@ class DraftBudget:
         given the chance `previous` that it got that far."""
         return previous * min(1.0, confidence * self.scale)
 
-    def continues(self, reach: float) -> bool:
-        """Is the token worth drafting and verifying, given the chance P that it is reached and accepted?"""
-        return reach >= self.token_cost + self.step_cost
+    def continues(self, reach: float, length: int) -> bool:
+        """Is a token worth drafting after `length` others, given the chance `reach` that it is reached and
+        accepted? It must beat its drafter step and what it adds to the verify forward."""
+        added = self.forward_cost(length + 2) - self.forward_cost(length + 1)
+        return reach >= self.step_cost + max(0.0, added)
 
     def pays(self, expected: float, length: int) -> bool:
         """Does a chain of `length` tokens with `expected` accepted ones beat one plain decode step? It costs the
-        verify forward (which includes the first draft token), the further tokens in it, and a drafter step each."""
-        return self.worth_verifying(expected - length * self.step_cost, length)
+        forward over the last token and the chain, and a drafter step per token."""
+        return 1.0 + expected >= self.forward_cost(length + 1) + length * self.step_cost
 
-    def worth_verifying(self, expected: float, length: int) -> bool:
-        """Is a chain already drafted worth its verify forward? The drafter's steps are spent either way, so only
-        the forward's extra cost counts: a chain may be worth verifying without having paid for its drafting."""
-        return 1.0 + expected >= self.verify_cost + (length - 1) * self.token_cost
+    def best_length(self, reaches: list[float]) -> int:
+        """How many of a drafted chain's tokens to verify: the prefix with the most expected tokens per unit of
+        forward (0: a plain step does better). The drafter's steps are spent either way, so they do not count."""
+        if self.is_fixed:
+            return len(reaches)
+        best, best_rate, expected = 0, 1.0, 1.0
+        for length, reach in enumerate(reaches, start=1):
+            expected += reach
+            rate = expected / max(self.forward_cost(length + 1), 1e-9)
+            if rate > best_rate:
+                best, best_rate = length, rate
+        return best
 
     def resting(self) -> bool:
         """Skip this round entirely (no drafter forward at all)? After a chain that did not pay the drafter rests
@@ -100,19 +130,19 @@ class DraftBudget:
 
 @dataclass(frozen=True)
 class Costs:
-    verify_cost: float
-    token_cost: float
+    forward_costs: tuple[float, ...]
     step_cost: float
 
 
 def measure_costs(
-    target_forward: Callable[[int], None], drafter_step: Callable[[], None], sizes: tuple[int, ...] = (1, 2, 3, 5, 9)
+    target_forward: Callable[[int], None], drafter_step: Callable[[], None], max_new_tokens: int = 9
 ) -> Costs:
     """The budget's costs on this machine, in units of a one-token target forward.
 
     `target_forward(n)` runs (and rolls back) one target forward over n new tokens on a warm cache; `drafter_step()`
-    one drafter step. Sizes are interleaved and medians taken, so a busy moment hits all of them alike. The cost of
-    n tokens is fitted as verify_cost + (n - 2) * token_cost over n >= 2 (least squares)."""
+    one drafter step. Sizes 1..max_new_tokens are interleaved and medians of 5 taken, so a busy moment hits all of
+    them alike."""
+    sizes = range(1, max_new_tokens + 1)
     for n in sizes:  # warm-up: first calls allocate
         target_forward(n)
     drafter_step()
@@ -127,15 +157,9 @@ def measure_costs(
         drafter_step()
         steps.append(time.perf_counter() - start)
     one = statistics.median(times[1])
-    xs = [n - 2 for n in sizes if n >= 2]
-    ys = [statistics.median(times[n]) / one for n in sizes if n >= 2]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / max(
-        1e-9, sum((x - mean_x) ** 2 for x in xs)
-    )
-    slope = max(0.0, slope)
     return Costs(
-        verify_cost=max(1.0, mean_y - slope * mean_x), token_cost=slope, step_cost=statistics.median(steps) / one
+        forward_costs=tuple(statistics.median(times[n]) / one for n in sizes),
+        step_cost=statistics.median(steps) / one,
     )
 
 
@@ -154,4 +178,4 @@ def measured_budget(target, drafter_step: Callable[[], None], context: int = 128
         rollback(cache, context)
 
     costs = measure_costs(forward, drafter_step)
-    return DraftBudget(verify_cost=costs.verify_cost, token_cost=costs.token_cost, step_cost=costs.step_cost)
+    return DraftBudget(forward_costs=costs.forward_costs, step_cost=costs.step_cost)

@@ -518,7 +518,7 @@ class Eagle3Drafter:
         for i in range(max_tokens):
             token, q, confidence = self._pick(logits, temperature, generator)
             reach.append(self.budget.reach(reach[-1], confidence))
-            if not self.budget.continues(reach[-1]):
+            if not self.budget.continues(reach[-1], len(drafted)):
                 break
             drafted.append(token)
             dists.append(q)
@@ -533,10 +533,11 @@ class Eagle3Drafter:
         if not drafted:
             return Draft.empty()
         self.last_chain = (len(tokens), torch.stack(drafted).tolist(), confidences)
-        if not self.budget.worth_verifying(expected, len(drafted)):
+        keep = self.budget.best_length(reach[1 : len(drafted) + 1])
+        if keep == 0:
             return Draft.empty()
-        probs = torch.stack(dists).cpu() if temperature > 0 else None
-        return Draft(torch.stack(drafted).cpu(), probs)
+        probs = torch.stack(dists[:keep]).cpu() if temperature > 0 else None
+        return Draft(torch.stack(drafted[:keep]).cpu(), probs)
 
     @torch.inference_mode()
     def grow_tree(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,8 +2,8 @@
 
 The draft is what followed the most recent earlier occurrence of the longest suffix n-gram of the context
 (prompt and generated text). Proposing is not free: on a CPU a forward over a few tokens costs more than a forward
-over one (`DraftBudget.verify_cost`, ~1.15x with packed weights), so a draft pays only if it is expected to gain
-more than `break_even` (= that cost ratio - 1) accepted tokens. On a GPU, where extra tokens are nearly free, set
+over one (`DraftBudget.forward_costs`, ~1.15x with packed weights on the EPYC), so a draft pays only if it is
+expected to gain more than `break_even` (= that cost ratio - 1) accepted tokens. On a GPU, where extra tokens are nearly free, set
 `break_even` near 0.
 
 The drafter learns, per matched n-gram length, how many tokens a draft gains, and stays silent for lengths that
@@ -19,7 +19,7 @@ import torch
 
 from draftsmith.decode.tree import TreeShape
 from draftsmith.drafters.base import Draft
-from draftsmith.drafters.budget import DraftBudget
+from draftsmith.drafters.budget import DEFAULT_FORWARD_COSTS
 
 
 @dataclass
@@ -52,7 +52,7 @@ class NgramDrafter:
         self,
         min_ngram: int = 1,
         max_ngram: int = 4,
-        break_even: float = DraftBudget.verify_cost - 1,
+        break_even: float = DEFAULT_FORWARD_COSTS[1] - 1,
         prior_weight: float = 2.0,
         decay: float = 0.95,
         tree: TreeShape | None = None,
