@@ -3,8 +3,8 @@
 The draft is what followed the most recent earlier occurrence of the longest suffix n-gram of the context
 (prompt and generated text). Proposing is not free: on a CPU a forward over a few tokens costs more than a forward
 over one (`DraftBudget.forward_costs`, ~1.15x with packed weights on the EPYC), so a draft pays only if it is
-expected to gain more than `break_even` (= that cost ratio - 1) accepted tokens. On a GPU, where extra tokens are nearly free, set
-`break_even` near 0.
+expected to gain more than `break_even` (= that cost ratio - 1) accepted tokens. On a GPU, where extra tokens are
+nearly free, set `break_even` near 0.
 
 The drafter learns, per matched n-gram length, how many tokens a draft gains, and stays silent for lengths that
 do not pay. It scores every lookup, proposed or not, against the text the target then actually generates (a
