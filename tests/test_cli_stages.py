@@ -41,6 +41,9 @@ def test_data_extract_vocab_train_eval_chain(tmp_path):
     assert report["drafter_checkpoint"] == str(tmp_path / "run" / best)
     assert report["drafter_precision"] == "int8"  # auto: a float32 drafter on a CPU drafts in int8
     assert "drafter weights in int8" in (tmp_path / "eval" / "report.md").read_text()
+    costs = report["draft_costs"]  # the adaptive budget's costs, timed at load on this machine
+    assert len(costs["forward_costs"]) == 9 and costs["forward_costs"][0] == 1.0 and costs["step_cost"] > 0
+    assert "Draft budget's costs timed here" in (tmp_path / "eval" / "report.md").read_text()
 
 
 def test_extract_refuses_an_unfinished_data_stage(tmp_path):

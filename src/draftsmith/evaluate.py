@@ -281,6 +281,10 @@ def render_markdown(report: dict) -> str:
         "| --- | ---: |",
     ]
     lines += [f"| {label} | {value} |" for label, value in summary_rows(report)]
+    if costs := report.get("draft_costs"):
+        forwards = ", ".join(f"{c:.2f}" for c in costs["forward_costs"])
+        lines += ["", f"Draft budget's costs timed here, in plain decode steps: a target forward over 1, 2, ... new "
+                  f"tokens {forwards}; a drafter step {costs['step_cost']:.3f}."]  # fmt: skip
     first = "merged" if "+" in report["drafter"] else "adaptive budget"
     first = f"tree {report['tree']}" if report.get("tree") else first
     for suffix, title in [("", first), *TWIN_TITLES.items()]:

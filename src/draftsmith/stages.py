@@ -212,7 +212,7 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     """Evaluate `cfg.drafter` and every drafter in `cfg.compare` against one shared, interleaved baseline; write
     one report per drafter (the first in `cfg.out`, the others in `cfg.out/<name>`)."""
     from draftsmith.data.sources import load_eval_prompts
-    from draftsmith.drafters import drafter_precision, fixed_twin
+    from draftsmith.drafters import drafter_costs, drafter_precision, fixed_twin
     from draftsmith.drafters.merged import MergedDrafter
     from draftsmith.evaluate import evaluate_drafters, merge_fixed, write_report
     from draftsmith.formats.load import build_drafter, checkpoint_dir, learned_part, trained_depth
@@ -273,6 +273,7 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
         learned = learned_part(spec)
         report["drafter_checkpoint"] = str(checkpoint_dir(learned)) if Path(learned).is_dir() else None
         report["drafter_precision"] = drafter_precision(drafters[i])
+        report["draft_costs"] = drafter_costs(drafters[i])
         write_report(report, cfg.out if i == 0 else cfg.out / _safe_name(spec))
     return reports
 

@@ -76,9 +76,21 @@ def fixed_twin(drafter: Drafter) -> Drafter | None:
     return Eagle3Drafter(learned.model, learned.name, DraftBudget.fixed(), precision=learned.precision)
 
 
-def drafter_precision(drafter: Drafter) -> str | None:
-    """The precision an EAGLE-3 drafter (alone or the learned part of a merge) drafts at; None for the others."""
+def _learned_part(drafter: Drafter) -> Drafter:
     from draftsmith.drafters.merged import MergedDrafter
 
-    learned = drafter.parts[0] if isinstance(drafter, MergedDrafter) else drafter
-    return getattr(learned, "precision", None)
+    return drafter.parts[0] if isinstance(drafter, MergedDrafter) else drafter
+
+
+def drafter_precision(drafter: Drafter) -> str | None:
+    """The precision an EAGLE-3 drafter (alone or the learned part of a merge) drafts at; None for the others."""
+    return getattr(_learned_part(drafter), "precision", None)
+
+
+def drafter_costs(drafter: Drafter) -> dict | None:
+    """The costs an adaptive EAGLE-3 budget measured on this machine at load (in plain decode steps), for the
+    report: a speed-up is read against them. None for fixed chains and other drafters."""
+    budget = getattr(_learned_part(drafter), "budget", None)
+    if budget is None or budget.is_fixed:
+        return None
+    return {"forward_costs": [round(c, 3) for c in budget.forward_costs], "step_cost": round(budget.step_cost, 3)}
