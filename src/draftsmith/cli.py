@@ -347,10 +347,10 @@ def tune(
     skip: Annotated[int, typer.Option(help="skip the first N prompts (e.g. the ones eval measures on)")] = 0,
     limit: Annotated[int, typer.Option(help="prompts whose acceptance is replayed")] = 10,
     max_new_tokens: int = 128,
-    depths: Annotated[str, typer.Option(help="tree depths to try")] = "4,6,8",
-    topks: Annotated[str, typer.Option(help="tree top-k to try")] = "2,4,8",
-    totals: Annotated[str, typer.Option(help="tree total tokens to try")] = "8,16,32,48",
-    chains: Annotated[str, typer.Option(help="chain lengths to try")] = "2,3,4,5,6,7,8",
+    depths: Annotated[str | None, typer.Option(help="tree depths to try [default: 3,4,6]")] = None,
+    topks: Annotated[str | None, typer.Option(help="tree top-k to try [default: 2,4,8]")] = None,
+    totals: Annotated[str | None, typer.Option(help="tree total tokens to try [default: 4,8,16,32]")] = None,
+    chains: Annotated[str | None, typer.Option(help="chain lengths to try [default: 1,2,3,4,5,6,8]")] = None,
     dtype: str = "float32",
     drafter_precision: PrecisionOpt = "auto",
     out: Annotated[Path, typer.Option(help="where tune.json goes")] = Path("runs/tune"),
@@ -364,7 +364,8 @@ def tune(
 
     lists = {"depths": depths, "topks": topks, "totals": totals, "chains": chains}
     options = {k: v for k, v in locals().items() if k in TuneConfig.model_fields and k not in lists}
-    cfg = TuneConfig.checked(**options, **{name: parse_ints(name, text) for name, text in lists.items()})
+    given = {name: parse_ints(name, text) for name, text in lists.items() if text is not None}
+    cfg = TuneConfig.checked(**options, **given)
     print_tune(run_tune(cfg, load_target(cfg.target, dtype=cfg.dtype)), Console())
     console.print(f"wrote {cfg.out / 'tune.json'}")
 

@@ -16,6 +16,7 @@ from draftsmith.data.synth import SYNTH_KINDS, check_kinds
 from draftsmith.errors import ConfigError
 from draftsmith.target import Target
 from draftsmith.train.trainer import TrainConfig, TrainResult
+from draftsmith.tune import DEFAULT_GRID
 from draftsmith.util import claim_dir
 
 
@@ -287,10 +288,10 @@ class TuneConfig(StageConfig):
     skip: int = Field(default=0, ge=0)  # prompts skipped first (e.g. those an eval will measure on)
     limit: int = Field(default=10, ge=1)
     max_new_tokens: int = Field(default=128, ge=2)
-    depths: list[int] = [4, 6, 8]
-    topks: list[int] = [2, 4, 8]
-    totals: list[int] = [8, 16, 32, 48]
-    chains: list[int] = [2, 3, 4, 5, 6, 7, 8]
+    depths: list[int] = list(DEFAULT_GRID[0])
+    topks: list[int] = list(DEFAULT_GRID[1])
+    totals: list[int] = list(DEFAULT_GRID[2])
+    chains: list[int] = list(DEFAULT_GRID[3])
     drafter_precision: Literal["auto", "float32", "int8"] = "auto"  # EAGLE-3 weights while drafting, as served
     out: Path = Path("runs/tune")
 
