@@ -15,6 +15,7 @@ def test_budget_arithmetic():
     budget = DraftBudget(forward_costs=linear_costs(1.6, 0.1), step_cost=0.1)
     # A chain of 2 costs a forward over 3 tokens (1.7) + 2 drafter steps (0.2) = 1.9 plain steps.
     assert budget.pays(expected=1.0, length=2) and not budget.pays(expected=0.8, length=2)
+    assert budget.pays(expected=0.85, length=2, steps=1)  # a block drafter (DFlash) spends one step for both
     # The first token adds 0.6 to the forward and a step; each further one 0.1 and a step.
     assert budget.continues(0.75, 0) and not budget.continues(0.65, 0)
     assert budget.continues(0.25, 1) and not budget.continues(0.15, 1)

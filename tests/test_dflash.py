@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from draftsmith.decode.engine import SpeculativeDecoder
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.drafters.dflash import (
     DFlashConfig,
     DFlashDrafter,
@@ -107,6 +108,51 @@ def test_bad_checkpoints_are_one_line_errors(tmp_path, change, message):
 def test_block_size_one_is_refused():
     with pytest.raises(DraftsmithError, match="block size must be at least 2"):
         DFlashConfig.from_target(tiny_target(0), 1, (1,), block_size=1, fingerprint="x")
+
+
+def cutting_budget() -> DraftBudget:
+    """Costs under which verifying more than one draft never pays: (1 + L) / cost(L + 1) is largest at L = 1."""
+    return DraftBudget(forward_costs=(1.0, 1.05, 1.6, 2.2, 2.8, 3.4, 4.0, 4.6), step_cost=0.05)
+
+
+def recording(drafter: DFlashDrafter) -> list[int]:
+    """The length of every proposal the drafter makes from now on."""
+    lengths, propose = [], drafter.propose
+
+    def spy(*args, **kwargs):
+        draft = propose(*args, **kwargs)
+        lengths.append(len(draft.tokens))
+        return draft
+
+    drafter.propose = spy
+    return lengths
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_adaptive_budget_cuts_blocks_and_stays_lossless(seed):
+    """A measured budget verifies the prefix of the block that pays (here at most one token), rests after blocks
+    that do not, and calibrates on what the target wrote; the output is still the target's own."""
+    target = tiny_target(seed, vocab_size=12)
+    drafter = DFlashDrafter(make_model(target, 8, seed=seed), budget=(budget := cutting_budget()))
+    lengths = recording(drafter)
+    prompt = [0, 3, 4, 5]
+    out = SpeculativeDecoder(target, drafter, 7).generate(prompt, 40)
+    assert out.tokens == reference(target, prompt, 40)
+    assert max(lengths) <= 1  # cut
+    if len(lengths) > 1:  # a second round scored the first block against what the target wrote
+        assert budget.confidence != cutting_budget().confidence
+    fixed = DFlashDrafter(drafter.model)  # no budget: the whole block every round
+    full = recording(fixed)
+    assert SpeculativeDecoder(target, fixed, 7).generate(prompt, 40).tokens == out.tokens
+    assert max(full) == min(7, 40 - 1) or len(out.tokens) < 40  # whole blocks, unless the output ended early
+
+
+def test_sampling_is_lossless_with_a_cut_block():
+    target = tiny_target(seed=3, vocab_size=5, layers=2, init_std=0.5)
+    drafter = DFlashDrafter(make_model(target, block_size=3, layers=1, ids=(1,)), budget=cutting_budget())
+    prompt, runs, temperature = [2, 3, 4], 3000, 1.0
+    counts = sample_engine(target, drafter, prompt, 4, runs, temperature)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, 4, temperature), runs) > P_VALUE_FLOOR
 
 
 def with_draft_vocab(model: DFlashModel, target, size: int, seed: int = 0) -> DFlashModel:

@@ -62,24 +62,27 @@ def with_tree(drafter: Drafter, shape: TreeShape | None) -> Drafter:
     return drafter
 
 
-def fixed_twin(drafter: Drafter) -> Drafter | None:
-    """The same learned drafter (shared weights, its own state) drafting the full chain every round, alone, when
-    `drafter` cuts its chains adaptively or is merged with others; None otherwise. Evaluation runs both: the
-    learned drafter's quality and what the default policy makes of it end to end."""
-    from draftsmith.drafters.eagle3 import Eagle3Drafter
-    from draftsmith.drafters.merged import MergedDrafter
-
-    merged = isinstance(drafter, MergedDrafter)
-    learned = drafter.parts[0] if merged else drafter
-    if not isinstance(learned, Eagle3Drafter) or (learned.budget.is_fixed and not merged):
-        return None
-    return Eagle3Drafter(learned.model, learned.name, DraftBudget.fixed(), precision=learned.precision)
-
-
 def _learned_part(drafter: Drafter) -> Drafter:
     from draftsmith.drafters.merged import MergedDrafter
 
     return drafter.parts[0] if isinstance(drafter, MergedDrafter) else drafter
+
+
+def fixed_twin(drafter: Drafter) -> Drafter | None:
+    """The same learned drafter (shared weights, its own state) drafting the full chain every round, alone, when
+    `drafter` cuts its chains adaptively or is merged with others; None otherwise. Evaluation runs both: the
+    learned drafter's quality and what the default policy makes of it end to end."""
+    from draftsmith.drafters.dflash import DFlashDrafter
+    from draftsmith.drafters.eagle3 import Eagle3Drafter
+    from draftsmith.drafters.merged import MergedDrafter
+
+    merged = isinstance(drafter, MergedDrafter)
+    learned = _learned_part(drafter)
+    if not isinstance(learned, Eagle3Drafter | DFlashDrafter) or (learned.budget.is_fixed and not merged):
+        return None
+    if isinstance(learned, DFlashDrafter):
+        return DFlashDrafter(learned.model, learned.name)
+    return Eagle3Drafter(learned.model, learned.name, DraftBudget.fixed(), precision=learned.precision)
 
 
 def drafter_precision(drafter: Drafter) -> str | None:
@@ -88,7 +91,7 @@ def drafter_precision(drafter: Drafter) -> str | None:
 
 
 def drafter_costs(drafter: Drafter) -> dict | None:
-    """The costs an adaptive EAGLE-3 budget measured on this machine at load (in plain decode steps), for the
+    """The costs an adaptive EAGLE-3 or DFlash budget measured on this machine at load (in plain decode steps), for the
     report: a speed-up is read against them. None for fixed chains and other drafters."""
     budget = getattr(_learned_part(drafter), "budget", None)
     if budget is None or budget.is_fixed:

@@ -90,10 +90,12 @@ class DraftBudget:
         added = self.forward_cost(length + 2) - self.forward_cost(length + 1)
         return reach >= self.step_cost + max(0.0, added)
 
-    def pays(self, expected: float, length: int) -> bool:
+    def pays(self, expected: float, length: int, steps: int | None = None) -> bool:
         """Does a chain of `length` tokens with `expected` accepted ones beat one plain decode step? It costs the
-        forward over the last token and the chain, and a drafter step per token."""
-        return 1.0 + expected >= self.forward_cost(length + 1) + length * self.step_cost
+        forward over the last token and the chain, and the drafter's steps: one per token for a chain drafter, one
+        for a block drafter (DFlash) whatever the length."""
+        steps = length if steps is None else steps
+        return 1.0 + expected >= self.forward_cost(length + 1) + steps * self.step_cost
 
     def best_length(self, reaches: list[float]) -> int:
         """How many of a drafted chain's tokens to verify: the prefix with the most expected tokens per unit of
@@ -119,6 +121,13 @@ class DraftBudget:
     def settle(self, paid: bool) -> None:
         self.backoff = 0 if paid else min(max(1, 2 * self.backoff), self.max_rest)
         self.resting_for = self.backoff
+
+    def record_chain(self, chain: list[int], written: list[int], confidences: list[float]) -> None:
+        """Score a drafted chain, proposed or not, against the tokens the target then wrote after the same point
+        (as many as there are yet): its decided tokens are those up to and including the first mismatch."""
+        matched = next((i for i, (a, b) in enumerate(zip(chain, written, strict=False)) if a != b), len(written))
+        decided = min(matched + 1, len(written), len(chain))
+        self.record(confidences[:decided], [i < matched for i in range(decided)])
 
     def record(self, confidences: list[float], matches: list[bool]) -> None:
         """The raw confidences of a chain's decided tokens (up to and including its first mismatch) and whether

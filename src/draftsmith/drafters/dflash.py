@@ -23,6 +23,7 @@ of layer i, ours i + 1. formats/zlab.py converts at the boundary.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
 from draftsmith.drafters.base import Draft
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.drafters.eagle3 import CONFIG_FILE, MLP, RMSNorm, layer_shape, rope_tables, rotate, save_drafter
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.packed import PackedLinear, can_pack, pack_linears
@@ -269,10 +271,13 @@ class DFlashDrafter:
     """The drafter protocol over a `DFlashModel`: one block forward per round, context keys/values cached.
 
     With a draft vocabulary (`draft_ids`), drafts are scored over those target tokens only, by the matching rows of
-    the target's head (`head`)."""
+    the target's head (`head`). With a measured `budget` (drafters/budget.py) the block is cut to the prefix with
+    the most expected tokens per verify forward, from each position's confidence: on a CPU a forward over 8 tokens
+    costs more than one over 2, and the block's late positions are rarely right."""
 
-    def __init__(self, model: DFlashModel, name: str = ALGORITHM) -> None:
+    def __init__(self, model: DFlashModel, name: str = ALGORITHM, budget: DraftBudget | None = None) -> None:
         self.name = name
+        self.budget = budget or DraftBudget.fixed()
         self.model = model.eval()
         self.draft_ids: torch.Tensor | None = getattr(model, "draft_ids", None)
         self.head = model.lm_head
@@ -295,6 +300,7 @@ class DFlashDrafter:
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, context positions only
         self.context = 0
+        self.last_chain: tuple[int, list[int], list[float]] | None = None  # (start, tokens, confidences)
         self.pending: list[torch.Tensor] = [] if features is None else [features]
 
     def _extend_context(self) -> None:
@@ -328,23 +334,52 @@ class DFlashDrafter:
 
     def propose(self, tokens: torch.Tensor, max_tokens: int, temperature: float, generator: torch.Generator) -> Draft:
         count = min(max_tokens, self.block_size - 1)
-        if count < 1:
+        if count < 1 or self.budget.resting():
             return Draft.empty()
+        if self.last_chain is not None:  # calibrate the budget on what the target wrote after the last block
+            start, chain, confidences = self.last_chain
+            self.budget.record_chain(chain, tokens[start : start + len(chain)].tolist(), confidences)
         with torch.inference_mode():
             logits = self.head(self._block(tokens, count)).float().cpu()
         ids = None if self.draft_ids is None else self.draft_ids.cpu()
+        confidences = torch.softmax(logits, dim=-1).amax(-1).tolist()  # each position's top probability at T=1
         if temperature <= 0:
-            choice = logits.argmax(-1)
-            return Draft(choice if ids is None else ids[choice])
-        # Every block position is drawn from its own q: the positions are independent given the context, and each
-        # q is what the verifier needs for the token at that position.
-        q = torch.softmax(logits / temperature, dim=-1)
-        choice = torch.multinomial(q, 1, generator=generator)[:, 0]
-        if ids is None:
-            return Draft(choice, q)
-        full = q.new_zeros(len(q), self.model.config.vocab_size)
-        full[:, ids] = q
-        return Draft(ids[choice], full)
+            choice, q = logits.argmax(-1), None
+        else:
+            # Every block position is drawn from its own q: the positions are independent given the context, and
+            # each q is what the verifier needs for the token at that position.
+            q = torch.softmax(logits / temperature, dim=-1)
+            choice = torch.multinomial(q, 1, generator=generator)[:, 0]
+        drafted = choice if ids is None else ids[choice]
+        if q is not None and ids is not None:
+            full = q.new_zeros(len(q), self.model.config.vocab_size)
+            full[:, ids] = q
+            q = full
+        reach = [1.0]
+        for confidence in confidences:
+            reach.append(self.budget.reach(reach[-1], confidence))
+        keep = self.budget.best_length(reach[1:])
+        self.budget.settle(keep > 0 and self.budget.pays(sum(reach[1 : keep + 1]), keep, steps=1))
+        self.last_chain = (len(tokens), drafted.tolist(), confidences)
+        if keep == 0:
+            return Draft.empty()
+        return Draft(drafted[:keep], None if q is None else q[:keep])
+
+    def step_probe(self, context: int = 128) -> Callable[[], None]:
+        """One block forward (and its head) over a `context`-position cache, as a callable: what the budget times
+        at load as the drafter's cost per round."""
+        model, weight = self.model, self.model.fc.weight
+        features = torch.zeros(1, context, weight.shape[1], device=self.device, dtype=weight.dtype)
+        with torch.inference_mode():
+            kv = model.context_kv(features, torch.arange(context, device=self.device))
+        block = torch.full((1, self.block_size), model.config.mask_token_id, device=self.device)
+        positions = torch.arange(context, context + self.block_size, device=self.device)
+
+        def step() -> None:
+            with torch.inference_mode():
+                self.head(model.block_hidden(block, positions, kv)[0, 1:])
+
+        return step
 
     def accepted(self, num_accepted: int, features: torch.Tensor | None) -> None:
         """The confirmed positions' features join the context next round; the block left no state to roll back."""

@@ -597,10 +597,7 @@ class Eagle3Drafter:
         if self.last_chain is None:
             return
         start, chain, confidences = self.last_chain
-        written = tokens[start : start + len(chain)].tolist()
-        matched = next((i for i, (a, b) in enumerate(zip(chain, written, strict=False)) if a != b), len(written))
-        decided = min(matched + 1, len(written))  # tokens whose fate is known: up to and including a mismatch
-        self.budget.record(confidences[:decided], [i < matched for i in range(decided)])
+        self.budget.record_chain(chain, tokens[start : start + len(chain)].tolist(), confidences)
         self.last_chain = None
 
     def _pick(

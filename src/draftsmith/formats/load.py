@@ -230,6 +230,6 @@ def build_drafter(
         drafter = load_drafter(spec, target, budget=DraftBudget.fixed(), precision=precision)
     if tree is not None:
         return with_tree(drafter, tree)
-    if draft_length == "adaptive" and isinstance(drafter, Eagle3Drafter):
+    if draft_length == "adaptive" and isinstance(drafter, Eagle3Drafter | dflash.DFlashDrafter):
         drafter.budget = measured_budget(target, drafter.step_probe())
     return drafter
