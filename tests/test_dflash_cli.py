@@ -45,6 +45,8 @@ def test_one_store_trains_both_and_dflash_evaluates_losslessly(trained):
     assert result.exit_code == 0, result.output
     report = json.loads((tmp / "eval" / "report.json").read_text())
     assert report["mismatches"] == 0 and report["drafter"].startswith("dflash:")
+    # the adaptive budget cuts blocks by costs timed here; the full block is measured beside it (the drafter's quality)
+    assert report["mismatches_fixed"] == 0 and report["draft_costs"]["forward_costs"][0] == 1.0
 
 
 def test_export_zlab_inspect_and_doctor(trained):

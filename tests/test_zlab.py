@@ -125,7 +125,7 @@ def test_zlab_drafter_loads_and_gives_the_same_logits(tmp_path):
     target = tiny_target(2, vocab_size=6, layers=6, eos_token_id=5)
     ref = zlab_drafter(target, 2, [0, 3], 8, mask=4)
     ref.save_pretrained(tmp_path)
-    for drafter in (load_drafter(tmp_path, target), build_drafter(f"dflash:{tmp_path}", target)):
+    for drafter in (load_drafter(tmp_path, target), build_drafter(f"dflash:{tmp_path}", target, draft_length="fixed")):
         assert isinstance(drafter, DFlashDrafter) and drafter.aux_layer_ids == (1, 4)  # z-lab 0, 3 = ours 1, 4
         tokens = [0, 2, 3, 4, 2, 3, 1]
         torch.testing.assert_close(our_logits(drafter, target, tokens), reference_logits(ref, target, tokens, 8))
