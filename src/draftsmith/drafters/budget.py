@@ -6,11 +6,11 @@ Cost model of one speculative round, in units of one plain decode step (a target
     step_cost        the drafter's own step that makes a token (~0.065 on a CPU, for SmolLM2's EAGLE-3 drafter)
 
 A table, not a line: on a CPU the cost of a forward is a step function of the row count, set by which matmul
-kernel runs (packed.py). On the AMX Xeon a 2- or 3-token forward cost 0.85-0.89 of a one-token one and a 4-token
-forward 1.14 (`benchmarks/verify_cost.py`); a line fitted through such points says a chain of 3 costs more than
-it does and a chain of 1 more than it does. The costs belong to the machine that decodes: `measure_costs` times
-them there at load (a few seconds) instead of trusting constants measured elsewhere; on a GPU they come out near
-(1, 1, 1, ...) and ~0, i.e. the fixed full chain.
+kernel runs (packed.py). On the AMX Xeon a 2- or 3-token forward cost 1.06-1.10 of a one-token one and a 4-token
+forward 1.42 (`benchmarks/verify_cost.py`, one quiet run; the 1-row cost moves between runs); a line fitted
+through such points overprices chains of 1-2 and underprices the step to 3. The costs belong to the machine that
+decodes: `measure_costs` times them there at load (a few seconds) instead of trusting constants measured
+elsewhere; on a GPU they come out near (1, 1, 1, ...) and ~0, i.e. the fixed full chain.
 
 A chain whose i-th token is accepted with probability P_i (the product of the drafter's per-step confidences)
 yields 1 + sum(P_i) tokens. Drafting continues while the next token's P_i exceeds its own marginal cost (its
