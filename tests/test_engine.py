@@ -6,6 +6,7 @@ import torch
 from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.decode.verify import verify_greedy
 from draftsmith.drafters.base import Draft, NullDrafter
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.drafters.draft_model import ModelDrafter
 from draftsmith.drafters.ngram import NgramDrafter
 from draftsmith.errors import ConfigError, TargetError
@@ -72,7 +73,7 @@ def test_greedy_equals_generate_for_real_drafters(seed, k):
     target, other = tiny_target(seed), tiny_target(seed + 100)
     prompt = [0, 5, 9, 5, 9, 12]
     truth = reference(target, prompt, 40)
-    for drafter in (NgramDrafter(break_even=0.0), ModelDrafter(other, target), NullDrafter()):
+    for drafter in (NgramDrafter(budget=DraftBudget.fixed()), ModelDrafter(other, target), NullDrafter()):
         assert SpeculativeDecoder(target, drafter, k).generate(prompt, 40).tokens == truth, drafter.name
 
 

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 from draftsmith.cli import app
 from draftsmith.config import EvalConfig
 from draftsmith.data.sources import Conversation
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.drafters.ngram import NgramDrafter
 from draftsmith.errors import TargetError
 from draftsmith.evaluate import evaluate, write_report
@@ -39,7 +40,7 @@ def test_report_fields_and_meaning(tmp_path):
     target = tiny_target(5)
     prompts = chats("t5 t9 t5 t9 t5", "t7 t8 t7 t8", "t30 t31 t32")
     cfg = EvalConfig(max_new_tokens=24, num_draft_tokens=3, out=tmp_path)
-    report = evaluate(target, NgramDrafter(break_even=0.0), "toy", prompts, cfg)
+    report = evaluate(target, NgramDrafter(budget=DraftBudget.fixed()), "toy", prompts, cfg)
     for key, kind in REQUIRED.items():
         assert isinstance(report[key], kind), key
     assert report["mismatches"] == 0
@@ -94,7 +95,7 @@ def test_smollm2_greedy_speculation_is_identical_to_generate(smollm2, tmp_path):
         "Write a Python function that returns the n-th Fibonacci number, and explain it.",
     )
     cfg = EvalConfig(max_new_tokens=64, num_draft_tokens=5, out=tmp_path)
-    report = evaluate(smollm2, NgramDrafter(break_even=0.0), "integration", prompts, cfg)
+    report = evaluate(smollm2, NgramDrafter(budget=DraftBudget.fixed()), "integration", prompts, cfg)
     assert report["mismatches"] == 0, report["per_prompt"]
     assert report["acceptance_length"] > 1.0  # an always-proposing n-gram drafter lands some tokens
 
@@ -179,7 +180,7 @@ def test_smollm2_tree_speculation_is_identical_to_generate(smollm2, tmp_path):
         "Write a Python function that returns the n-th Fibonacci number, and explain it.",
     )
     cfg = EvalConfig(max_new_tokens=64, out=tmp_path)
-    drafter = NgramDrafter(break_even=0.0, tree=TreeShape(5, 3, 12))
+    drafter = NgramDrafter(budget=DraftBudget.fixed(), tree=TreeShape(5, 3, 12))
     report = evaluate(smollm2, drafter, "integration", prompts, cfg.model_copy(update={"num_draft_tokens": 12}))
     assert report["mismatches"] == 0, report["per_prompt"]
     assert report["acceptance_length"] > 1.0

@@ -8,6 +8,7 @@ import torch
 from draftsmith.decode import tree
 from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.drafters.base import Draft
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.drafters.draft_model import ModelDrafter
 from draftsmith.drafters.eagle3 import Eagle3Drafter, save_checkpoint
 from draftsmith.drafters.merged import MergedDrafter, merge
@@ -65,7 +66,7 @@ def test_sampled_drafts_keep_their_own_subtree_and_q():
 def learned_and_ngram(seed: int, shape: tree.TreeShape | None = None, take_turns: bool = False):
     target = tiny_target(seed)
     eagle = Eagle3Drafter(make_model(target, seed=seed), tree=shape)
-    return target, MergedDrafter([eagle, NgramDrafter(break_even=0.0)], take_turns)
+    return target, MergedDrafter([eagle, NgramDrafter(budget=DraftBudget.fixed())], take_turns)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -115,7 +116,7 @@ class Spy:
 
 def test_taking_turns_the_learned_drafter_drafts_only_where_the_lookup_is_silent():
     target = tiny_target(2)
-    eagle, lookup = Spy(Eagle3Drafter(make_model(target, seed=2))), Spy(NgramDrafter(break_even=0.0))
+    eagle, lookup = Spy(Eagle3Drafter(make_model(target, seed=2))), Spy(NgramDrafter(budget=DraftBudget.fixed()))
     prompt = [0, 5, 9, 5, 9, 12, 5, 9, 12, 7]
     out = SpeculativeDecoder(target, MergedDrafter([eagle, lookup], take_turns=True), 4).generate(prompt, 40)
     assert out.tokens == reference(target, prompt, 40)
@@ -158,7 +159,7 @@ def test_merged_sampling_matches_target_joint(take_turns):
     (taking turns) rounds drafted from a point mass and rounds drafted from q."""
     target = tiny_target(seed=3, vocab_size=5, layers=2, init_std=0.5)
     draft = tiny_target(seed=4, vocab_size=5, layers=2, init_std=0.5)
-    drafter = MergedDrafter([ModelDrafter(draft, target), NgramDrafter(break_even=0.0)], take_turns)
+    drafter = MergedDrafter([ModelDrafter(draft, target), NgramDrafter(budget=DraftBudget.fixed())], take_turns)
     decoder = SpeculativeDecoder(target, drafter, num_draft_tokens=2)
     prompt, runs = [2, 3, 4, 2, 3], 3000
     counts: dict[tuple[int, ...], int] = {}

@@ -18,6 +18,7 @@ from draftsmith.cli import app
 from draftsmith.config import EvalConfig
 from draftsmith.data.tokenize import encode_chat
 from draftsmith.decode.engine import SpeculativeDecoder
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.ngram import NgramDrafter
 from draftsmith.evaluate import baseline_generate
@@ -395,7 +396,9 @@ def test_interleaved_requests_decode_exactly_as_one_at_a_time(kind):
     from draftsmith.drafters import with_tree
 
     target = tiny_target(3)
-    drafter = NgramDrafter(break_even=0.0) if kind.startswith("ngram") else Eagle3Drafter(make_model(target))
+    drafter = (
+        NgramDrafter(budget=DraftBudget.fixed()) if kind.startswith("ngram") else Eagle3Drafter(make_model(target))
+    )
     drafter = with_tree(drafter, TreeShape(3, 2, 4) if kind.endswith("tree") else None)
     metrics = ServerMetrics(4, target="tiny", drafter=kind, model="tiny")
     scheduler = Scheduler(target, drafter, metrics, num_draft_tokens=4, max_active=3, max_queue=8)

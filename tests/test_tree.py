@@ -8,6 +8,7 @@ from draftsmith.decode import tree
 from draftsmith.decode.cache import compact
 from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.drafters.base import Draft
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.errors import ConfigError
 from tests.conftest import tiny_target
 from tests.test_engine import reference
@@ -212,7 +213,7 @@ def test_eagle3_chain_shaped_tree_is_the_greedy_chain():
 def test_ngram_tree_merges_continuations_of_several_matches():
     from draftsmith.drafters.ngram import NgramDrafter
 
-    drafter = NgramDrafter(1, 3, break_even=0.0, tree=tree.TreeShape(3, 3, 8))
+    drafter = NgramDrafter(1, 3, budget=DraftBudget.fixed(), tree=tree.TreeShape(3, 3, 8))
     text = torch.tensor([5, 6, 7, 8, 9, 6, 7, 2, 3, 5, 6, 7, 4, 6, 7])
     draft = drafter.propose(text, 8, 0.0, torch.Generator())
     # "6 7" occurred before, followed by 4 6 7 / 2 3 5 / 8 9 6 (latest first); "4 6 7" shares no prefix.
@@ -235,5 +236,5 @@ def test_ngram_tree_is_lossless(seed):
     target = tiny_target(seed)
     prompt = [0, 5, 9, 5, 9, 12, 5, 9, 14]
     truth = reference(target, prompt, 40)
-    drafter = NgramDrafter(break_even=0.0, tree=tree.TreeShape(4, 3, 10))
+    drafter = NgramDrafter(budget=DraftBudget.fixed(), tree=tree.TreeShape(4, 3, 10))
     assert SpeculativeDecoder(target, drafter, 10).generate(prompt, 40).tokens == truth

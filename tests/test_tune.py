@@ -8,6 +8,7 @@ from draftsmith.decode.engine import SpeculativeDecoder
 from draftsmith.decode.tree import TreeShape
 from draftsmith.drafters import with_tree
 from draftsmith.drafters.base import NullDrafter
+from draftsmith.drafters.budget import DraftBudget
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.ngram import NgramDrafter
 from draftsmith.tune import candidate_shapes, record, replay, static_rank_tree, tune
@@ -20,7 +21,7 @@ from tests.test_eagle3 import make_model
 def test_replay_counts_the_rounds_the_engine_runs(shape, kind):
     """At T=0 replaying a shape over the target's text gives exactly the engine's rounds and accepted tokens."""
     target = tiny_target(2)
-    base = Eagle3Drafter(make_model(target, seed=2)) if kind == "eagle3" else NgramDrafter(break_even=0.0)
+    base = Eagle3Drafter(make_model(target, seed=2)) if kind == "eagle3" else NgramDrafter(budget=DraftBudget.fixed())
     drafter = with_tree(base, shape)
     prompt = [0, 5, 9, 5, 9, 12, 5, 9, 14]
     out = SpeculativeDecoder(target, drafter, shape.total).generate(prompt, 40)

@@ -14,9 +14,16 @@ BUILTIN_HINT = (
 )
 
 
-def builtin_drafter(spec: str, target: Target, dtype: str = "float32", tree: TreeShape | None = None) -> Drafter:
+def builtin_drafter(
+    spec: str,
+    target: Target,
+    dtype: str = "float32",
+    tree: TreeShape | None = None,
+    budget: DraftBudget | None = None,
+) -> Drafter:
     """`ngram`, `ngram:MIN-MAX` (n-gram sizes), `model:ID_OR_DIR` (a small LM) or `none` (plain decoding). With a
-    `tree` shape an n-gram drafter proposes trees of that shape (a top-k of 1: a chain)."""
+    `tree` shape an n-gram drafter proposes trees of that shape (a top-k of 1: a chain); `budget` decides how much of
+    a lookup it proposes (drafters/ngram.py)."""
     from draftsmith.drafters.draft_model import ModelDrafter
     from draftsmith.drafters.ngram import NgramDrafter
 
@@ -31,11 +38,11 @@ def builtin_drafter(spec: str, target: Target, dtype: str = "float32", tree: Tre
         return NullDrafter()
     if kind == "ngram":
         if not arg:
-            return with_tree(NgramDrafter(), tree)
+            return with_tree(NgramDrafter(budget=budget), tree)
         lo, _, hi = arg.partition("-")
         if not (lo.isdigit() and (hi or lo).isdigit() and 1 <= int(lo) <= int(hi or lo)):
             raise ConfigError(f"bad n-gram sizes in --drafter {spec!r}", hint="write ngram:MIN-MAX, e.g. ngram:1-4")
-        return with_tree(NgramDrafter(int(lo), int(hi or lo)), tree)
+        return with_tree(NgramDrafter(int(lo), int(hi or lo), budget=budget), tree)
     if kind == "model" and arg:
         return ModelDrafter(load_target(arg, dtype=dtype), target)
     raise ConfigError(f"unknown drafter {spec!r}", hint=BUILTIN_HINT)

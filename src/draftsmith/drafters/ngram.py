@@ -1,16 +1,18 @@
-"""Prompt-lookup (n-gram) drafting that proposes only when it is likely to pay.
+"""Prompt-lookup (n-gram) drafting that proposes only as much as is likely to pay.
 
 The draft is what followed the most recent earlier occurrence of the longest suffix n-gram of the context
 (prompt and generated text). Proposing is not free: on a CPU a forward over a few tokens costs more than a forward
-over one (`DraftBudget.forward_costs`, ~1.15x with packed weights on the EPYC), so a draft pays only if it is
-expected to gain more than `break_even` (= that cost ratio - 1) accepted tokens. On a GPU, where extra tokens are
-nearly free, set `break_even` near 0.
+over one, and not in proportion: on the AMX Xeon a forward over 2-3 new tokens cost ~1.1x one over a single token
+and over 4 ~1.4x (`DraftBudget.forward_costs`, timed at load). So the continuation is cut with the same rule as a
+learned drafter's chain (`DraftBudget.best_length`): the prefix with the most expected tokens per unit of forward,
+nothing when no prefix beats a plain step. Proposing the whole 4-token continuation whenever its mean gain passed a
+fixed break-even, as before, spent the 4-token forward on every lookup.
 
-The drafter learns, per matched n-gram length, how many tokens a draft gains, and stays silent for lengths that
-do not pay. It scores every lookup, proposed or not, against the text the target then actually generates (a
-draft gains exactly its longest prefix that matches that text at T=0), so a length that went silent is still
-measured and speaks up again when the text turns repetitive. Recent evidence weighs more (`decay`), because how
-much a text repeats itself changes from prompt to prompt.
+The expected tokens come from experience: per matched n-gram length, the decayed share of lookups whose
+continuation matched the target's text for at least 1, 2, ... tokens. Every lookup, proposed or not, is scored
+against the text the target then actually generates (at T=0 a draft gains exactly its longest prefix that matches),
+so a length that went silent is still measured and speaks up again when the text turns repetitive. Recent evidence
+weighs more (`decay`), because how much a text repeats itself changes from prompt to prompt.
 """
 
 from dataclasses import dataclass
@@ -19,23 +21,31 @@ import torch
 
 from draftsmith.decode.tree import TreeShape
 from draftsmith.drafters.base import Draft
-from draftsmith.drafters.budget import DEFAULT_FORWARD_COSTS
+from draftsmith.drafters.budget import DraftBudget
+
+HORIZON = 16  # draft positions whose outcomes are counted; a continuation is cut there when the budget is not fixed
+PRIOR_REACH = 0.5  # before any evidence: each next token matches half the time (a first lookup speaks, briefly)
 
 
 @dataclass
-class _Yield:
-    """Decayed mean of tokens gained per lookup, seeded with `prior_weight` lookups at the break-even value."""
+class _Outcomes:
+    """Decayed counts of lookups and, per draft position i, of lookups that matched at least i + 1 tokens; seeded
+    with `prior_weight` lookups that match each next token with chance PRIOR_REACH."""
 
     lookups: float
-    gained: float
+    reached: list[float]
 
-    @property
-    def mean(self) -> float:
-        return self.gained / self.lookups
+    @classmethod
+    def prior(cls, weight: float) -> "_Outcomes":
+        return cls(weight, [weight * PRIOR_REACH ** (i + 1) for i in range(HORIZON)])
+
+    def reaches(self, length: int) -> list[float]:
+        """P(the first 1, 2, ..., `length` tokens of a continuation all match)."""
+        return [r / self.lookups for r in self.reached[:length]]
 
     def add(self, gained: int, decay: float) -> None:
         self.lookups = decay * self.lookups + 1
-        self.gained = decay * self.gained + gained
+        self.reached = [decay * r + (i < gained) for i, r in enumerate(self.reached)]
 
 
 @dataclass
@@ -52,7 +62,7 @@ class NgramDrafter:
         self,
         min_ngram: int = 1,
         max_ngram: int = 4,
-        break_even: float = DEFAULT_FORWARD_COSTS[1] - 1,
+        budget: DraftBudget | None = None,
         prior_weight: float = 2.0,
         decay: float = 0.95,
         tree: TreeShape | None = None,
@@ -61,8 +71,10 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.name = f"ngram[{min_ngram}-{max_ngram}]"
         self.tree = tree  # propose up to `topk` continuations of up to `depth` tokens merged into one tree
-        self.min_ngram, self.max_ngram, self.break_even, self.decay = min_ngram, max_ngram, break_even, decay
-        self.yields = {n: _Yield(prior_weight, prior_weight * break_even) for n in range(min_ngram, max_ngram + 1)}
+        self.min_ngram, self.max_ngram, self.decay = min_ngram, max_ngram, decay
+        # the forward costs that decide how much to propose; no drafter steps (a lookup is nearly free)
+        self.budget = budget or DraftBudget(step_cost=0.0)
+        self.outcomes = {n: _Outcomes.prior(prior_weight) for n in range(min_ngram, max_ngram + 1)}
         self._open: list[_Lookup] = []  # lookups whose outcome the generated text has not settled yet
 
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
@@ -75,11 +87,15 @@ class NgramDrafter:
             return Draft.empty()
         n, continuation = match
         self._open.append(_Lookup(n, len(tokens), continuation.tolist()))
-        if self.yields[n].mean < self.break_even:
+        if self.budget.is_fixed:
+            keep = len(continuation)
+        else:
+            keep = self.budget.best_length(self.outcomes[n].reaches(min(len(continuation), HORIZON)))
+        if keep == 0:
             return Draft.empty()
         if self.tree is not None:
             return self._tree(tokens, max_tokens)
-        return Draft(continuation)
+        return Draft(continuation[:keep])
 
     def _tree(self, tokens: torch.Tensor, max_tokens: int) -> Draft:
         """The continuations after the `topk` latest occurrences of the longest matching suffixes (longest match
@@ -121,7 +137,7 @@ class NgramDrafter:
             known = tokens[lookup.start : lookup.start + len(lookup.tokens)].tolist()
             gained = next((i for i, (a, b) in enumerate(zip(known, lookup.tokens, strict=False)) if a != b), len(known))
             if gained < len(known) or len(known) == len(lookup.tokens):
-                self.yields[lookup.n].add(gained, self.decay)
+                self.outcomes[lookup.n].add(gained, self.decay)
             else:
                 still_open.append(lookup)
         self._open = still_open

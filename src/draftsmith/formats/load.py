@@ -220,10 +220,15 @@ def build_drafter(
     sep = merge_separator(spec)
     if sep is not None:
         first, *rest = spec.split(sep)
-        parts = [build_drafter(first, target, dtype, draft_length, tree, precision)]
-        return MergedDrafter(parts + [build_drafter(s, target, dtype, "fixed") for s in rest], take_turns=sep == "|")
+        lead = build_drafter(first, target, dtype, draft_length, tree, precision)
+        # the others cut their proposals by the forward costs the first measured (measured once, not per part)
+        costs = getattr(lead, "budget", DraftBudget.fixed()).forward_costs
+        budget = DraftBudget.fixed() if draft_length == "fixed" else DraftBudget(forward_costs=costs, step_cost=0.0)
+        parts = [lead] + [builtin_drafter(s, target, dtype, budget=budget) for s in rest]
+        return MergedDrafter(parts, take_turns=sep == "|")
     if not spec.startswith("dflash:") and not Path(spec).is_dir():
-        return builtin_drafter(spec, target, dtype=dtype, tree=tree)
+        budget = measured_budget(target, lambda: None) if draft_length == "adaptive" else DraftBudget.fixed()
+        return builtin_drafter(spec, target, dtype=dtype, tree=tree, budget=budget)
     if spec.startswith("dflash:"):
         drafter = load_dflash(spec.removeprefix("dflash:"), target)
     else:
