@@ -5,13 +5,18 @@ For each eval prompt the target writes its greedy reply; the drafter then runs i
 target's argmax at t+1+k over the reply's tokens. Compared with `eval`'s first-token acceptance this separates an
 engine fault (teacher-forced >> engine) from distribution shift (teacher-forced low too, validation high); run with
 the features of a cast copy (`--feature-dtype bfloat16`, how the cpu profiles build their stores) it shows what the
-store's precision costs. No timing.
+store's precision costs. The first step's top-1 is also split by position in the reply (`--buckets`): a small
+target's greedy replies drift into loops that a drafter predicts well, so a reply's opening is where a training
+set of long self-chats and a benchmark of 128-token answers differ most. `--chats RUN/data` scores the first
+replies of the last `--limit` self-chats the same way (the training distribution; mostly training samples). No timing.
 
     .venv/bin/python benchmarks/teacher_forced.py --drafter runs/demo/train/checkpoints/step-000120 \\
-        [--dataset mt_bench] [--limit 10] [--max-new-tokens 128] [--steps 4] [--feature-dtype bfloat16]
+        [--dataset mt_bench] [--limit 10] [--max-new-tokens 128] [--steps 4] [--feature-dtype bfloat16] \\
+        [--buckets 32,64,128,256] [--chats runs/demo/data]
 """
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -34,6 +39,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--feature-dtype", default=None, help="also score with features from a cast copy")
+    parser.add_argument("--buckets", default="32,64,128,256", help="reply positions where step 1's buckets split")
+    parser.add_argument("--chats", type=Path, default=None, help="a data directory with chat.jsonl (self-chats)")
     args = parser.parse_args()
 
     target = load_target(args.target)
@@ -41,25 +48,67 @@ def main() -> None:
     feature_targets = {"float32": target} | (
         {args.feature_dtype: target.cast(args.feature_dtype)} if args.feature_dtype else {}
     )
+    edges = [0, *(int(b) for b in args.buckets.split(",")), 1 << 30]
     _, prompts = load_eval_prompts(args.dataset, args.data_dir, args.limit)
-    hits = {name: torch.zeros(args.steps) for name in feature_targets}
-    scored = torch.zeros(args.steps)
     with torch.inference_mode():
-        for conv in prompts:
-            ids = torch.tensor([encode_chat(target.tokenizer, conv.messages)])
-            reply = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                          do_sample=False)[0]  # fmt: skip
-            labels = target.forward(reply, target.new_cache()).logits.argmax(-1)  # the served target's argmax
+        sources = {f"{args.dataset}, first {len(prompts)} prompts, greedy replies of up to {args.max_new_tokens}": [
+            (ids, greedy_reply(target, ids, args.max_new_tokens))
+            for ids in (encode_chat(target.tokenizer, conv.messages) for conv in prompts)
+        ]}  # fmt: skip
+        if args.chats:
+            sources[f"self-chats of {args.chats}, first replies of the last {args.limit}"] = first_replies(
+                target, args.chats / "chat.jsonl", args.limit
+            )
+        for title, pairs in sources.items():
+            print(title)
             for name, source in feature_targets.items():
-                features = source.forward(reply, source.new_cache(), tuple(model.config.aux_layer_ids)).aux_hidden
-                for k, hidden in enumerate(ttt_forward(model, reply[None], features.float()[None], args.steps)):
-                    positions = torch.arange(max(ids.shape[1] - 2 - k, 0), len(reply) - 2 - k)
-                    drafted = model.draft_to_target(model.draft_logits(hidden[0, positions]).argmax(-1))
-                    hits[name][k] += (drafted == labels[positions + 1 + k]).sum()
-            scored += torch.tensor([len(reply) - 2 - k - max(ids.shape[1] - 2 - k, 0) for k in range(args.steps)])
-    print(f"{args.dataset}, first {len(prompts)} prompts, greedy replies of up to {args.max_new_tokens} tokens")
-    for name, h in hits.items():
-        print(f"features in {name}: teacher-forced top-1 by draft step", " / ".join(f"{v:.3f}" for v in h / scored))
+                by_step, by_bucket = score(model, target, source, pairs, args.steps, edges)
+                steps_line = " / ".join(f"{v:.3f}" for v in by_step)
+                print(f"  features in {name}: teacher-forced top-1 by draft step {steps_line}")
+                spans = zip(edges, edges[1:], strict=False)
+                print("    step 1 by reply position:", "  ".join(
+                    f"[{lo},{hi if hi < 1 << 30 else 'end'}) {hit / n:.3f} (n={n})"
+                    for (lo, hi), (hit, n) in zip(spans, by_bucket, strict=True) if n
+                ))  # fmt: skip
+
+
+def greedy_reply(target, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                do_sample=False)  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def first_replies(target, chats: Path, limit: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reply ids) of the first user turn and the target's reply in the last `limit` self-chats."""
+    rows = [json.loads(line) for line in chats.read_text().splitlines() if line.strip()][-limit:]
+    return [
+        (encode_chat(target.tokenizer, row["messages"][:1]),
+         target.tokenizer(row["messages"][1]["content"], add_special_tokens=False)["input_ids"])
+        for row in rows
+    ]  # fmt: skip
+
+
+def score(model, target, source, pairs, steps: int, edges: list[int]) -> tuple[list[float], list[tuple[int, int]]]:
+    """Top-1 per draft step over all replies, and step 1's (hits, scored) per bucket of reply position."""
+    hits, scored = torch.zeros(steps), torch.zeros(steps)
+    buckets = [[0, 0] for _ in edges[1:]]
+    for prompt_ids, reply_ids in pairs:
+        seq = torch.tensor(prompt_ids + reply_ids)
+        labels = target.forward(seq, target.new_cache()).logits.argmax(-1)  # the served target's argmax
+        features = source.forward(seq, source.new_cache(), tuple(model.config.aux_layer_ids)).aux_hidden
+        for k, hidden in enumerate(ttt_forward(model, seq[None], features.float()[None], steps)):
+            positions = torch.arange(max(len(prompt_ids) - 2 - k, 0), len(seq) - 2 - k)
+            drafted = model.draft_to_target(model.draft_logits(hidden[0, positions]).argmax(-1))
+            right = drafted == labels[positions + 1 + k]
+            hits[k] += right.sum()
+            scored[k] += len(positions)
+            if k == 0:  # position t predicts reply token t + 2 - len(prompt)
+                for at, ok in zip((positions + 2 - len(prompt_ids)).tolist(), right.tolist(), strict=True):
+                    bucket = next(i for i, hi in enumerate(edges[1:]) if at < hi)
+                    buckets[bucket][0] += ok
+                    buckets[bucket][1] += 1
+    return (hits / scored).tolist(), [(h, n) for h, n in buckets]
 
 
 if __name__ == "__main__":
