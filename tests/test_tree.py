@@ -169,6 +169,62 @@ def test_eagle3_greedy_tree_equals_generate(seed, shape):
     assert out.tokens == reference(target, prompt, 40)
 
 
+# On the AMX Xeon a forward over 4+ new tokens costs ~1.5 plain steps against ~1.1 for 2-3 (drafters/budget.py)
+STEPPED = DraftBudget(forward_costs=(1.0, 1.03, 1.1, 1.5, 1.5, 1.55, 1.6, 1.7, 1.8), step_cost=0.05)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("shape", ["depth=3,topk=2,total=6", "depth=5,topk=4,total=16"])
+def test_eagle3_budgeted_tree_equals_generate(seed, shape):
+    """An adaptive budget verifies part of each tree (often a chain, sometimes nothing): still the target's text."""
+    shape = tree.TreeShape.parse(shape)
+    target, drafter = eagle3(seed, shape)
+    drafter.budget = DraftBudget(forward_costs=STEPPED.forward_costs, step_cost=STEPPED.step_cost)
+    prompt = [0] + torch.randint(2, 90, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = SpeculativeDecoder(target, drafter, shape.total).generate(prompt, 40)
+    assert out.tokens == reference(target, prompt, 40)
+
+
+def budgeted_draft(costs: tuple[float, ...], scale: float) -> tuple[Draft, list[int], list[float]]:
+    """The draft an adaptive budget with forward `costs` makes of one tree, with every grown node's token and
+    calibrated chance of acceptance; its scale set by 10^4 decided tokens matched at `scale` times their confidence."""
+    shape = tree.TreeShape(4, 3, 12)
+    target, drafter = eagle3(2, shape)
+    drafter.budget = DraftBudget(forward_costs=costs, step_cost=0.0, confidence=1e4, matched=1e4 * scale)
+    prompt = torch.tensor([0, 5, 9, 14, 3, 22, 8])
+    out = target.forward(prompt, target.new_cache(), drafter.aux_layer_ids, logits_to_keep=1)
+    drafter.begin(prompt, out.aux_hidden)
+    draft = drafter.propose(torch.cat([prompt, out.logits[-1].argmax().view(1)]), shape.total, 0.0, torch.Generator())
+    _, drafted, parents, confidences = drafter.last_tree
+    return draft, drafted, drafter._tree_reach(parents, confidences)
+
+
+def test_budgeted_tree_verifies_the_likeliest_nodes_while_they_pay():
+    """Free rows: every node up to `total`; rows from the 4th at 3 plain steps: at most two nodes, the two likeliest;
+    a drafter whose chance of acceptance is tiny: nothing (a plain step does better)."""
+    free, _, _ = budgeted_draft((1.0,) * 13, 1.0)
+    assert len(free.tokens) == 12
+    pricey, drafted, reach = budgeted_draft((1.0, 1.0, 1.0) + (3.0,) * 10, 1.0)
+    assert len(drafted) > 2 and 1 <= len(pricey.tokens) <= 2
+    likeliest = sorted(sorted(range(len(reach)), key=lambda i: -reach[i])[: len(pricey.tokens)])
+    assert pricey.tokens.tolist() == [drafted[i] for i in likeliest]
+    none, _, _ = budgeted_draft((1.0, 1.5, 2.0) + (3.0,) * 10, 1e-3)
+    assert len(none.tokens) == 0
+
+
+def test_tree_calibration_decides_every_child_along_the_written_path():
+    """Below the root and each node of the path the target wrote, all children are decided: the one carrying the
+    written token matched, its siblings did not; nothing below the first miss is."""
+    target, drafter = eagle3(0, tree.TreeShape(3, 2, 6))
+    drafter.budget = DraftBudget(confidence=0.0, matched=0.0, decay=1.0)
+    # root -> {a=7 (0.6), b=8 (0.3)}; a -> {c=9 (0.5), d=10 (0.2)}; c -> {e=11 (0.4)}
+    drafter.last_tree = (3, [7, 8, 9, 10, 11], [-1, -1, 0, 0, 2], [0.6, 0.3, 0.5, 0.2, 0.4])
+    drafter._score_last_tree(torch.tensor([1, 2, 3, 7, 10, 4]))  # wrote 7 (a), then 10 (d), then 4
+    assert drafter.budget.matched == 2.0  # a and d
+    assert drafter.budget.confidence == pytest.approx(0.6 + 0.3 + 0.5 + 0.2)  # e was never decided
+    assert drafter.last_tree is None
+
+
 def test_eagle3_tree_scores_are_the_log_probabilities_of_a_chain_along_each_path():
     """Each node's cumulative log-probability equals that of a chain forced along its path: the drafter's tree mask
     shows each node the context, its ancestors and itself, and nothing else."""

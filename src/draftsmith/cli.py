@@ -61,7 +61,7 @@ def eval_cmd(
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: float = 1.0,
     num_draft_tokens: Annotated[int, typer.Option(help="most draft tokens verified per target forward")] = 7,
-    draft_length: Annotated[str, typer.Option(help="EAGLE-3: adaptive (stop when not paying) | fixed")] = "adaptive",
+    draft_length: Annotated[str, typer.Option(help="EAGLE-3 chains, trees: adaptive (cut) | fixed")] = "adaptive",
     drafter_precision: PrecisionOpt = "auto",
     fixed_chain: Annotated[str, typer.Option(help="the fixed-chain twin: timed | replayed (T=0, no target run)")] = (
         "timed"
@@ -85,7 +85,8 @@ def eval_cmd(
     ),
 ) -> None:
     """Speculative decoding vs plain decoding on a prompt set: acceptance length, speedup, identical output. With
-    --tree, the tree and its drafter's chains (fixed --num-draft-tokens, and adaptive) run side by side; with
+    --tree, the tree (the part of each that pays; all of it with --draft-length fixed) and its drafter's chains
+    (fixed --num-draft-tokens, and adaptive) run side by side; with
     `--engine llama.cpp` the drafter (run, checkpoint or GGUF) runs inside llama-server."""
     options = {k: v for k, v in locals().items() if k != "overwrite"}
     from draftsmith.config import EvalConfig

@@ -36,7 +36,7 @@ class EvalConfig(StageConfig):
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     num_draft_tokens: int = Field(default=7, ge=1, le=64)
-    draft_length: Literal["adaptive", "fixed"] = "adaptive"  # EAGLE-3: cut chains that stop paying, or not
+    draft_length: Literal["adaptive", "fixed"] = "adaptive"  # EAGLE-3: cut chains and trees that stop paying, or not
     drafter_precision: Literal["auto", "float32", "int8"] = "auto"  # EAGLE-3 weights while drafting (auto: int8 on CPU)
     # An adaptive drafter's fixed-chain twin: timed beside it (speedup_fixed), or at T=0 replayed along the
     # baseline's greedy text (the same acceptance, no speed figures, no extra target run per prompt)

@@ -238,9 +238,9 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     drafters = [build_drafter(s, target, cfg.dtype, cfg.draft_length, precision=precision) for s in specs]
     twin = fixed_twin(drafters[0])  # a learned drafter's quality: the same drafter with a fixed chain
     if shape is not None:
-        # The tree, its drafter's fixed chain of --num-draft-tokens and (if adaptive or merged) its adaptive or
-        # merged chain, side by side against the same baseline runs.
-        tree_drafter = build_drafter(cfg.drafter, target, dtype=cfg.dtype, tree=shape, precision=precision)
+        # The tree (cut by the adaptive budget, or whole with --draft-length fixed), its drafter's fixed chain of
+        # --num-draft-tokens and (if adaptive or merged) its adaptive or merged chain, against the same baselines.
+        tree_drafter = build_drafter(cfg.drafter, target, cfg.dtype, cfg.draft_length, shape, precision)
         chains = [twin, drafters[0]] if twin is not None else [drafters[0]]
         first = [tree_drafter, *chains]
         k = cfg.num_draft_tokens
@@ -253,7 +253,8 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
             len(first),
             [shape.total] + [k] * (len(first) + len(drafters) - 2),
         )
-        tree_report = merge_fixed(tree_report | {"tree": str(shape)}, chain_reports[0], "_chain")
+        cut = "the part that pays" if cfg.draft_length == "adaptive" else "all of it"  # tune predicts all of it
+        tree_report = merge_fixed(tree_report | {"tree": str(shape), "tree_verified": cut}, chain_reports[0], "_chain")
         if twin is not None:
             suffix = "_merged" if isinstance(drafters[0], MergedDrafter) else "_adaptive"
             tree_report = merge_fixed(tree_report, chain_reports[1], suffix)

@@ -50,7 +50,8 @@ def builtin_drafter(
 
 def with_tree(drafter: Drafter, shape: TreeShape | None) -> Drafter:
     """Make a tree-capable drafter (EAGLE-3, n-gram) draft trees of `shape` from its next `begin` on: chains of
-    `shape.depth` tokens when its top-k is 1 (EAGLE-3 then drafts the fixed chain), as before when None."""
+    `shape.depth` tokens when its top-k is 1, as before when None. EAGLE-3 keeps its budget: a fixed one verifies
+    the whole tree (or chain), an adaptive one the part that pays."""
     from draftsmith.drafters.eagle3 import Eagle3Drafter
     from draftsmith.drafters.merged import MergedDrafter
     from draftsmith.drafters.ngram import NgramDrafter
@@ -64,7 +65,6 @@ def with_tree(drafter: Drafter, shape: TreeShape | None) -> Drafter:
         raise ConfigError(f"drafter {drafter.name} cannot draft trees", hint="use an EAGLE-3 or n-gram drafter")
     if isinstance(drafter, Eagle3Drafter):
         shape.check_vocab(drafter.model.config.draft_vocab_size)
-        drafter.budget = DraftBudget.fixed()
     drafter.tree = None if shape.is_chain else shape
     return drafter
 

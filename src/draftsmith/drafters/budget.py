@@ -172,7 +172,9 @@ def measure_costs(
     )
 
 
-def measured_budget(target, drafter_step: Callable[[], None], context: int = 128) -> DraftBudget:
+def measured_budget(
+    target, drafter_step: Callable[[], None], context: int = 128, max_new_tokens: int = 9
+) -> DraftBudget:
     """A `DraftBudget` whose costs are timed on this machine against `target` with a `context`-token cache."""
     from draftsmith.decode.cache import rollback
 
@@ -186,5 +188,5 @@ def measured_budget(target, drafter_step: Callable[[], None], context: int = 128
             target.forward(prompt[:n], cache)
         rollback(cache, context)
 
-    costs = measure_costs(forward, drafter_step)
+    costs = measure_costs(forward, drafter_step, max_new_tokens)
     return DraftBudget(forward_costs=costs.forward_costs, step_cost=costs.step_cost)

@@ -24,6 +24,7 @@ an engine's sliding window is: the two differ only for contexts longer than W - 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from draftsmith.decode.tree import TreeShape
+from draftsmith.decode.tree import children as tree_children
+from draftsmith.decode.tree import depths as tree_depths
 from draftsmith.drafters.base import Draft
 from draftsmith.drafters.budget import DraftBudget
 from draftsmith.errors import ConfigError, DraftsmithError
@@ -461,8 +464,9 @@ class Eagle3Drafter:
         self.budget = budget or DraftBudget.fixed()
         if tree is not None:
             tree.check_vocab(model.config.draft_vocab_size)
-        self.tree = tree  # draft EAGLE-2 trees of this shape (the budget then stays out of it); None: chains
+        self.tree = tree  # draft EAGLE-2 trees of this shape (an adaptive budget cuts them); None: chains
         self.last_chain: tuple[int, list[int], list[float]] | None = None  # (start, tokens, confidences) to score
+        self.last_tree: tuple[int, list[int], list[int], list[float]] | None = None  # (start, tokens, parents, conf.)
         self.aux_layer_ids: tuple[int, ...] = tuple(model.config.aux_layer_ids)
         self.draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=model.d2t.device))
         self.begin(torch.empty(0, dtype=torch.long), None)
@@ -474,7 +478,7 @@ class Eagle3Drafter:
     @torch.inference_mode()
     def begin(self, prompt: torch.Tensor, features: torch.Tensor | None) -> None:
         self.cache = KVCache()
-        self.last_chain = None
+        self.last_chain = self.last_tree = None
         self.fused = torch.empty(0, self.model.config.hidden_size, device=self.device, dtype=self.model.fc.weight.dtype)
         self.pending: list[torch.Tensor] = []  # target features not yet fused: fc runs once over all of them
         self.context = 0  # context positions in the cache
@@ -510,8 +514,8 @@ class Eagle3Drafter:
             self.hidden, self.context = out[:, -1:], ready
             self.logits = model.draft_logits(self.hidden)[0, -1]  # only the last position drafts
         if self.tree is not None:
-            tokens, parents, _ = self.grow_tree(max_tokens)
-            return Draft(tokens, parents=parents)
+            self._score_last_tree(tokens)
+            return self._tree_draft(len(tokens), max_tokens)
         self._score_last_chain(tokens)
         hidden, logits = self.hidden, self.logits
         drafted, dists, reach, confidences = [], [], [1.0], []
@@ -539,17 +543,54 @@ class Eagle3Drafter:
         probs = torch.stack(dists[:keep]).cpu() if temperature > 0 else None
         return Draft(torch.stack(drafted[:keep]).cpu(), probs)
 
+    def _tree_draft(self, start: int, max_tokens: int) -> Draft:
+        """Grow a tree and choose the nodes to verify: with a fixed budget the best `total` by cumulative draft
+        log-probability; with an adaptive one, by calibrated chance of acceptance, as many of the best as give the
+        most expected tokens per unit of forward (none when a plain step does better), so a confident round
+        verifies a short chain on the cheap row counts and an unsure one pays for siblings only where they pay."""
+        tokens, parents, scores = self.grow_tree(max_tokens)
+        flat_parents = parents.tolist()
+        listed = scores.tolist()
+        confidences = [math.exp(s - (listed[p] if p >= 0 else 0.0)) for s, p in zip(listed, flat_parents, strict=True)]
+        self.last_tree = (start, tokens.tolist(), flat_parents, confidences)
+        total = min(self.tree.total, max_tokens)
+        if self.budget.is_fixed:
+            keep = sorted(sorted(range(len(listed)), key=lambda i: (-listed[i], i))[:total])
+        else:
+            reach = self._tree_reach(flat_parents, confidences)
+            best = sorted(range(len(reach)), key=lambda i: (-reach[i], i))[:total]  # parents before children
+            count = self.budget.best_length([reach[i] for i in best])
+            expected = sum(reach[i] for i in best[:count])
+            levels = int(tree_depths(parents).max()) if len(parents) else 0
+            self.budget.settle(count > 0 and self.budget.pays(expected, count, steps=levels))
+            keep = sorted(best[:count])
+        if not keep:
+            return Draft.empty()
+        new_index = {old: new for new, old in enumerate(keep)}
+        kept_parents = torch.tensor([new_index.get(flat_parents[i], -1) for i in keep], dtype=torch.long)
+        if torch.equal(kept_parents, torch.arange(len(keep)) - 1):  # a chain: verified without a tree mask
+            return Draft(tokens[keep])
+        return Draft(tokens[keep], parents=kept_parents)
+
+    def _tree_reach(self, parents: list[int], confidences: list[float]) -> list[float]:
+        """Each node's calibrated chance of being accepted: its parent's, times its own calibrated confidence
+        (siblings exclude each other, so a tree's expected accepted tokens is the sum over its nodes)."""
+        reach: list[float] = []
+        for parent, confidence in zip(parents, confidences, strict=True):
+            reach.append(self.budget.reach(reach[parent] if parent >= 0 else 1.0, confidence))
+        return reach
+
     @torch.inference_mode()
     def grow_tree(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """EAGLE-2's dynamic tree from the last context position: (target token ids, parents, cumulative draft
-        log-probabilities) of its nodes, in topological order, siblings best first.
+        log-probabilities) of all the nodes grown, in topological order, siblings best first.
 
-        The root's top-k children form the first frontier; then `depth - 1` times the frontier runs in one forward
-        under the tree mask (each node sees the context, its ancestors and itself), each of its nodes gets its top-k
-        children, and the top-k of those by cumulative log-probability become the next frontier. The best `total`
-        nodes of all levels are kept: scores only fall along a path, so every kept node's ancestors are kept too.
-        Children are deterministic picks (point masses), which sampling verification handles by removing each
-        rejected one from the target's distribution (decode/tree.py)."""
+        The root's top-k children form the first frontier; then up to `depth - 1` times the frontier runs in one
+        forward under the tree mask (each node sees the context, its ancestors and itself), each of its nodes gets
+        its top-k children, and the top-k of those by cumulative log-probability become the next frontier. An
+        adaptive budget stops growing once the best frontier node's chance of acceptance no longer pays for a
+        drafter step. Children are deterministic picks (point masses), which sampling verification handles by
+        removing each rejected one from the target's distribution (decode/tree.py)."""
         model, shape = self.model, self.tree
         depth, total = min(shape.depth, max_tokens), min(shape.total, max_tokens)
         scores, ids = torch.log_softmax(self.logits.float(), -1).topk(min(shape.topk, total))
@@ -559,6 +600,8 @@ class Eagle3Drafter:
         frontier_hidden = self.hidden.expand(1, len(ids), -1)
         for level in range(1, depth):
             flat_parents = torch.cat(parents).tolist()
+            if not self._worth_growing(flat_parents, torch.cat(node_scores), frontier.tolist(), total):
+                break
             first = len(self.cache)
             visible = torch.zeros(len(frontier), first + len(frontier), dtype=torch.bool)
             visible[:, : self.context] = True
@@ -583,14 +626,38 @@ class Eagle3Drafter:
             best = child_scores.flatten().topk(min(shape.topk, child_ids.numel())).indices
             frontier = base + best
             frontier_hidden = out[:, best // shape.topk]
-        all_scores = torch.cat(node_scores)
-        listed = all_scores.tolist()
-        keep = sorted(sorted(range(len(listed)), key=lambda i: (-listed[i], i))[:total])
-        new_index = {old: new for new, old in enumerate(keep)}
-        flat_parents = torch.cat(parents).tolist()
-        tree_parents = torch.tensor([new_index.get(flat_parents[i], -1) for i in keep], dtype=torch.long)
-        tokens = self.draft_ids[torch.cat(node_ids)[keep]].cpu()
-        return tokens, tree_parents, all_scores[keep].cpu()
+        return self.draft_ids[torch.cat(node_ids)].cpu(), torch.cat(parents).cpu(), torch.cat(node_scores).cpu()
+
+    def _worth_growing(self, parents: list[int], scores: torch.Tensor, frontier: list[int], total: int) -> bool:
+        """Another level of the tree pays for its drafter step only if a child of the best frontier node could:
+        its chance of acceptance is at most that node's, which must cover the step and the row it adds to the
+        verify forward beyond the nodes already worth verifying."""
+        if self.budget.is_fixed:
+            return True
+        listed = scores.tolist()
+        confidences = [math.exp(s - (listed[p] if p >= 0 else 0.0)) for s, p in zip(listed, parents, strict=True)]
+        reach = self._tree_reach(parents, confidences)
+        worth = self.budget.best_length(sorted(reach, reverse=True)[:total])
+        return worth < total and self.budget.continues(max(reach[i] for i in frontier), worth)
+
+    def _score_last_tree(self, tokens: torch.Tensor) -> None:
+        """Calibrate the budget on the last tree, verified or not: below each node of the path the target then wrote,
+        every child is decided (the one with the written token matched, its siblings did not)."""
+        if self.last_tree is None or self.budget.is_fixed:
+            return
+        start, drafted, parents, confidences = self.last_tree
+        written = tokens[start:].tolist()
+        kids = tree_children(torch.tensor(parents))
+        row, level, decided, matches = 0, 0, [], []
+        while level < len(written) and kids[row]:
+            hit = next((c for c in kids[row] if drafted[c] == written[level]), None)
+            decided += [confidences[c] for c in kids[row]]
+            matches += [c == hit for c in kids[row]]
+            if hit is None:
+                break
+            row, level = hit + 1, level + 1
+        self.budget.record(decided, matches)
+        self.last_tree = None
 
     def _score_last_chain(self, tokens: torch.Tensor) -> None:
         """Calibrate the budget: how far the last chain, proposed or not, matched what the target then wrote."""

@@ -213,7 +213,8 @@ def build_drafter(
     SGLang / EAGLE / z-lab export, converted on load; `dflash:DIR` says which) or a built-in drafter
     (`builtin_drafter`). EAGLE-3 chains are cut where the next token stops paying for itself
     (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed"). With a `tree`
-    shape, EAGLE-3 and n-gram drafters propose trees of that shape instead (a top-k of 1: a fixed chain).
+    shape, EAGLE-3 and n-gram drafters propose trees of that shape instead (a top-k of 1: a chain); an adaptive EAGLE-3
+    budget verifies the part of each tree that pays (`Eagle3Drafter._tree_draft`), a fixed one all of it.
     `A+B` (e.g. `RUN_DIR+ngram`) verifies both drafters' proposals as one tree; `A|B` lets B draft the rounds where
     it proposes and A the others (drafters/merged.py); the draft length, the tree shape and the EAGLE-3 weights'
     `precision` (float32 | int8) apply to the first."""
@@ -233,8 +234,7 @@ def build_drafter(
         drafter = load_dflash(spec.removeprefix("dflash:"), target)
     else:
         drafter = load_drafter(spec, target, budget=DraftBudget.fixed(), precision=precision)
-    if tree is not None:
-        return with_tree(drafter, tree)
     if draft_length == "adaptive" and isinstance(drafter, Eagle3Drafter | dflash.DFlashDrafter):
-        drafter.budget = measured_budget(target, drafter.step_probe())
-    return drafter
+        rows = 9 if tree is None else max(9, tree.total + 1)  # the forwards it may verify
+        drafter.budget = measured_budget(target, drafter.step_probe(), max_new_tokens=rows)
+    return with_tree(drafter, tree)
