@@ -18,7 +18,7 @@ from draftsmith.cli import app
 from draftsmith.config import EvalConfig
 from draftsmith.data.tokenize import encode_chat
 from draftsmith.decode.engine import SpeculativeDecoder
-from draftsmith.drafters.budget import DraftBudget
+from draftsmith.drafters.budget import DraftBudget, linear_costs
 from draftsmith.drafters.eagle3 import Eagle3Drafter
 from draftsmith.drafters.ngram import NgramDrafter
 from draftsmith.evaluate import baseline_generate
@@ -388,7 +388,7 @@ def test_text_stream_never_splits_a_character_and_holds_back_stop_prefixes(smoll
     assert stream.stopped and "".join(deltas) == text[: text.index("STOP")]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "eagle3", "ngram-tree", "eagle3-tree"])
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "ngram-tree", "eagle3-tree", "eagle3-budgeted-tree"])
 def test_interleaved_requests_decode_exactly_as_one_at_a_time(kind):
     """The scheduler interleaves requests round by round, each with its own copy of the drafter: every answer, greedy
     or sampled, must be the one the engine gives for that request alone (trees included)."""
@@ -396,8 +396,10 @@ def test_interleaved_requests_decode_exactly_as_one_at_a_time(kind):
     from draftsmith.drafters import with_tree
 
     target = tiny_target(3)
+    # budgeted: trees cut where they stop paying, at cheap rows (a random drafter pays for little else)
+    budget = DraftBudget(linear_costs(1.0, 0.01), step_cost=0.01) if "budgeted" in kind else DraftBudget.fixed()
     drafter = (
-        NgramDrafter(budget=DraftBudget.fixed()) if kind.startswith("ngram") else Eagle3Drafter(make_model(target))
+        NgramDrafter(budget=budget) if kind.startswith("ngram") else Eagle3Drafter(make_model(target), budget=budget)
     )
     drafter = with_tree(drafter, TreeShape(3, 2, 4) if kind.endswith("tree") else None)
     metrics = ServerMetrics(4, target="tiny", drafter=kind, model="tiny")
