@@ -6,9 +6,11 @@ free; `F.linear` re-packing its weights for every multi-row call made them cost 
 `packed.py` packs them once.
 
 Both targets run interleaved, on a KV cache of `--context` tokens, each forward cropped off again; medians over
-`--reps` rounds. The script prints a measurement and always exits 0.
+`--reps` rounds. `--bf16` adds a bfloat16 copy of the target (plain layers): on an AMX CPU its multi-row forwards are
+nearly flat, but its verify rounds differently from its one-token decode, so eval and serve stay float32. The script
+prints a measurement and always exits 0.
 
-    .venv/bin/python benchmarks/verify_cost.py [--context 200] [--reps 9]
+    .venv/bin/python benchmarks/verify_cost.py [--context 200] [--reps 9] [--bf16]
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from draftsmith.decode.cache import rollback
 from draftsmith.target import Target, load_target
 
-NEW_TOKENS = (1, 2, 3, 4, 6, 8, 16)
+NEW_TOKENS = (1, 2, 3, 4, 6, 8, 16, 32)
 
 
 def timed_forward(target: Target, cache, context: int, new: int) -> float:
@@ -40,9 +42,12 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=200, help="tokens already in the KV cache")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--bf16", action="store_true", help="add a bfloat16 target column")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     targets = {"plain": load_target(args.target, packed=False), "packed": load_target(args.target)}
+    if args.bf16:
+        targets["bf16"] = load_target(args.target, dtype="bfloat16", packed=False)
     prompt = torch.randint(0, targets["plain"].vocab_size, (args.context,))
     caches = {}
     for name, target in targets.items():
@@ -55,12 +60,15 @@ def main() -> int:
                 times.setdefault((name, new), []).append(timed_forward(target, caches[name], args.context, new))
     median = {key: statistics.median(v) * 1e3 for key, v in times.items()}
     print(f"target forward on a {args.context}-token cache, {args.threads} threads, median of {args.reps} interleaved")
-    print("new tokens | plain ms | packed ms | plain / its 1-token | packed / its 1-token | plain / packed")
+    bf16 = " | bf16 ms | bf16 / its 1-token" if args.bf16 else ""
+    print(f"new tokens | plain ms | packed ms | plain / its 1-token | packed / its 1-token | plain / packed{bf16}")
     for new in NEW_TOKENS:
         p, q = median["plain", new], median["packed", new]
+        b = median.get(("bf16", new))
         print(
             f"{new:10d} | {p:8.1f} | {q:9.1f} | {p / median['plain', 1]:19.2f} | "
             f"{q / median['packed', 1]:20.2f} | {p / q:14.2f}"
+            + (f" | {b:7.1f} | {b / median['bf16', 1]:18.2f}" if b is not None else "")
         )
     return 0
 

@@ -549,20 +549,18 @@ class Eagle3Drafter:
         most expected tokens per unit of forward (none when a plain step does better), so a confident round
         verifies a short chain on the cheap row counts and an unsure one pays for siblings only where they pay."""
         tokens, parents, scores = self.grow_tree(max_tokens)
-        flat_parents = parents.tolist()
-        listed = scores.tolist()
-        confidences = [math.exp(s - (listed[p] if p >= 0 else 0.0)) for s, p in zip(listed, flat_parents, strict=True)]
-        self.last_tree = (start, tokens.tolist(), flat_parents, confidences)
+        flat_parents, listed = parents.tolist(), scores.tolist()
         total = min(self.tree.total, max_tokens)
         if self.budget.is_fixed:
             keep = sorted(sorted(range(len(listed)), key=lambda i: (-listed[i], i))[:total])
         else:
+            confidences = node_confidences(flat_parents, listed)
+            self.last_tree = (start, tokens.tolist(), flat_parents, confidences)  # scored on the next call
             reach = self._tree_reach(flat_parents, confidences)
             best = sorted(range(len(reach)), key=lambda i: (-reach[i], i))[:total]  # parents before children
             count = self.budget.best_length([reach[i] for i in best])
             expected = sum(reach[i] for i in best[:count])
-            levels = int(tree_depths(parents).max()) if len(parents) else 0
-            self.budget.settle(count > 0 and self.budget.pays(expected, count, steps=levels))
+            self.budget.settle(count > 0 and self.budget.pays(expected, count, steps=int(tree_depths(parents).max())))
             keep = sorted(best[:count])
         if not keep:
             return Draft.empty()
@@ -634,16 +632,14 @@ class Eagle3Drafter:
         verify forward beyond the nodes already worth verifying."""
         if self.budget.is_fixed:
             return True
-        listed = scores.tolist()
-        confidences = [math.exp(s - (listed[p] if p >= 0 else 0.0)) for s, p in zip(listed, parents, strict=True)]
-        reach = self._tree_reach(parents, confidences)
+        reach = self._tree_reach(parents, node_confidences(parents, scores.tolist()))
         worth = self.budget.best_length(sorted(reach, reverse=True)[:total])
         return worth < total and self.budget.continues(max(reach[i] for i in frontier), worth)
 
     def _score_last_tree(self, tokens: torch.Tensor) -> None:
         """Calibrate the budget on the last tree, verified or not: below each node of the path the target then wrote,
         every child is decided (the one with the written token matched, its siblings did not)."""
-        if self.last_tree is None or self.budget.is_fixed:
+        if self.last_tree is None:  # none drafted since, or a fixed budget (nothing to calibrate)
             return
         start, drafted, parents, confidences = self.last_tree
         written = tokens[start:].tolist()
@@ -703,6 +699,11 @@ class Eagle3Drafter:
         if features is not None:
             self._append(features)
         self.cache.crop(self.context)
+
+
+def node_confidences(parents: list[int], scores: list[float]) -> list[float]:
+    """Each tree node's own draft probability, from the cumulative log-probabilities of it and its parent."""
+    return [math.exp(s - (scores[p] if p >= 0 else 0.0)) for s, p in zip(scores, parents, strict=True)]
 
 
 def save_checkpoint(model: Eagle3Model, directory: str | Path) -> Path:
