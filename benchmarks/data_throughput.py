@@ -9,6 +9,8 @@ Three measurements in one run, on the same prompts and the same (packed) target:
 - self-chat: `draftsmith.data.selfchat.self_chat` (the `draftsmith data --self-chat` code path: the target writes
   both sides of multi-turn chats in a batch that never drains) for as many chats as prompts, `--chat-length`
   tokens each, at `--batch-size`; tokens/s counts every token of the chats.
+- self-chat recorded: the same, keeping the hidden states `extract` stores as the chats are written
+  (`draftsmith data --record-features`); printed against self-chat followed by a second pass of extraction.
 - extraction: `draftsmith.store.extract` (the `draftsmith extract` code path, bf16 shards) over the regenerated
   conversations; tokens/s counts prompt and answer tokens. The target's fingerprint is computed once up front,
   as the stage computes it once per store.
@@ -40,7 +42,7 @@ from draftsmith.data.selfchat import self_chat
 from draftsmith.data.sources import Conversation, load_eval_prompts
 from draftsmith.data.tokenize import tokenize_conversation
 from draftsmith.pipeline import load_pipeline
-from draftsmith.store import extract
+from draftsmith.store import Recording, default_aux_layers, extract
 from draftsmith.target import Target, load_target
 
 PROMPT_FILES = ("mt_bench_questions.jsonl", "gsm8k_test.jsonl")  # first turns of each, alternating
@@ -103,11 +105,12 @@ def run_regenerate(target: Target, convs: list[Conversation], args, work: Path) 
     return counted.tokens, seconds, out.read_text()
 
 
-def run_self_chat(target: Target, n: int, args, work: Path) -> tuple[int, float, str]:
-    """(tokens, seconds, the chats) of `n` self-chats into a fresh file."""
+def run_self_chat(target: Target, n: int, args, work: Path, record: Recording | None = None) -> tuple[int, float, str]:
+    """(tokens, seconds, the chats) of `n` self-chats into a fresh file; `record`: keeping their hidden states."""
     out = Path(tempfile.mkdtemp(dir=work)) / "chat.jsonl"
     start = time.perf_counter()
-    self_chat(target, n, out, seed=0, length=args.chat_length, batch_size=args.batch_size, progress=False)
+    self_chat(target, n, out, seed=0, length=args.chat_length, batch_size=args.batch_size, record=record,
+              record_dir=out.parent / "states", progress=False)  # fmt: skip
     return n * args.chat_length, time.perf_counter() - start, out.read_text()
 
 
@@ -167,9 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = [ids for _, ids, _ in samples]
         run_prefill(target, rows[: args.batch_size], args.batch_size)
         run_extract(target, samples[:2], args, work)
+        record = Recording(fingerprint, default_aux_layers(target.num_layers), "transformers")
         run_self_chat(target, 2, args, work)
+        run_self_chat(target, 2, args, work, record)
 
-        rates: dict[str, list[float]] = {"prefill": [], "regeneration": [], "self-chat": [], "extraction": []}
+        rates: dict[str, list[float]] = {
+            "prefill": [], "regeneration": [], "self-chat": [], "self-chat recorded": [], "extraction": []
+        }  # fmt: skip
         identical = 0
         for r in range(args.repeats):
             order = list(rates)
@@ -180,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif name == "regeneration":
                     tokens, seconds, again = run_regenerate(target, convs, args, work)
                     identical += again == text
-                elif name == "self-chat":
-                    tokens, seconds, _ = run_self_chat(target, len(convs), args, work)
+                elif name.startswith("self-chat"):
+                    recording = record if name.endswith("recorded") else None
+                    tokens, seconds, _ = run_self_chat(target, len(convs), args, work, recording)
                 else:
                     tokens, seconds = run_extract(target, samples, args, work)
                 rates[name].append(tokens / seconds)
@@ -191,10 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     median = {name: statistics.median(v) for name, v in rates.items()}
     print()
     for name, value in median.items():
-        print(f"{name:<12} {value:8.1f} tokens/s  (median of {len(rates[name])} runs)")
+        print(f"{name:<18} {value:8.1f} tokens/s  (median of {len(rates[name])} runs)")
     print(f"regeneration / prefill = {median['regeneration'] / median['prefill']:.2f}")
     print(f"self-chat / prefill    = {median['self-chat'] / median['prefill']:.2f}")
     print(f"extraction / prefill   = {median['extraction'] / median['prefill']:.2f}")
+    two_pass = 1 / (1 / median["self-chat"] + 1 / median["extraction"])
+    print(f"self-chat then extraction (two passes) {two_pass:.1f} tokens/s; recorded in one pass "
+          f"{median['self-chat recorded']:.1f} = {median['self-chat recorded'] / two_pass:.2f}x")  # fmt: skip
     print(f"regeneration identical to the warm-up run: {identical}/{args.repeats}")
     return 0
 

@@ -3,13 +3,19 @@
 import json
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from draftsmith import stages
 from draftsmith.backends.batch import generate_batch
+from draftsmith.backends.hf import TransformersBackend
 from draftsmith.data.selfchat import FOLLOW_UPS, Template, self_chat
 from draftsmith.data.stage import build_dataset, load_stage_conversations
+from draftsmith.data.tokenize import tokenize_conversation
 from draftsmith.errors import ConfigError, DataError
+from draftsmith.stages import ExtractConfig
+from draftsmith.store import HiddenStateStore, RecordedFeatures, Recording, default_aux_layers
 from draftsmith.target import Target
 from tests.conftest import tiny_target
 
@@ -164,3 +170,69 @@ def test_a_looping_reply_ends_before_it_repeats_an_ngram(tmp_path):
     assert cut >= 2  # the random target loops, so the rule fired
     with pytest.raises(ConfigError, match="loop_ngram >= 0"):
         self_chat(target, 2, tmp_path / "c.jsonl", seed=0, loop_ngram=-1, progress=False)
+
+
+def test_recorded_states_are_the_targets_own_for_exactly_the_tokens_it_wrote(tmp_path):
+    """Every token of a chat is fed once (prefill or one decode step): what is recorded equals a fresh forward over
+    the chat, and the tokens and loss mask equal what `tokenize` makes of the written messages (this tokenizer
+    encodes a decoded turn back to the same ids)."""
+    target = chat_target(seed=3)
+    layers = default_aux_layers(target.num_layers)
+    record = Recording(target.fingerprint(), layers, "transformers")
+    out = self_chat(target, 6, tmp_path / "chat.jsonl", seed=1, length=80, batch_size=4, max_turn_tokens=10,
+                    kinds=(), record=record, record_dir=tmp_path / "states", progress=False)  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == [
+        "batch-000000.safetensors", "batch-000004.safetensors"
+    ]  # fmt: skip
+    recorded = RecordedFeatures(tmp_path / "states", record)
+    for chat in chats(out):
+        ids, mask = recorded.sample(chat["id"])
+        written, learned = tokenize_conversation(target.tokenizer, chat["messages"], 1000)
+        shared = min(len(ids), len(written))  # the turn in progress at the end is cut differently
+        assert shared > 40 and ids[:shared] == written[:shared] and mask[:shared] == learned[:shared]
+        assert sum(mask) > 0
+        fresh = target.forward(torch.tensor(ids), target.new_cache(), layers, logits_to_keep=1, last_hidden=True)
+        aux, last = recorded.features(chat["id"], torch.tensor(ids, dtype=torch.int32))
+        torch.testing.assert_close(aux, fresh.aux_hidden, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(last, fresh.last_hidden, atol=1e-4, rtol=1e-4)
+        assert recorded.features(chat["id"], torch.tensor(ids[:-1] + [ids[-1] ^ 1], dtype=torch.int32)) is None
+    other = Recording(target.fingerprint(), (0, 1, 2), "transformers")
+    refused = RecordedFeatures(tmp_path / "states", other)
+    assert not refused.index and sum(refused.refused.values()) == 2
+
+
+def test_extract_copies_recorded_states_and_stores_what_a_second_pass_would(tmp_path, monkeypatch):
+    """The data stage records, extract copies: no forward over a recorded chat, the regenerated conversations are
+    computed as before, and the store equals one extracted the old way. A store asking for other layers computes."""
+    target = chat_target(seed=6)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w05 w06 w07"}\n{"prompt": "w08 w09"}\n')
+    options = {"target": target, "regenerate": True, "self_chat": 3, "self_chat_length": 40, "max_new_tokens": 6,
+               "batch_size": 2}  # fmt: skip
+    recorded_dir = build_dataset([str(prompts)], tmp_path / "rec", record_features=True, **options)
+    plain_dir = build_dataset([str(prompts)], tmp_path / "plain", **options)
+    assert (recorded_dir / "chat.jsonl").read_text() == (plain_dir / "chat.jsonl").read_text()
+    assert json.loads((recorded_dir / "manifest.json").read_text())["config"]["record_features"] is True
+
+    computed = []
+    real = TransformersBackend.features
+
+    def counted(self, samples, layer_ids):
+        computed.extend(samples)
+        return real(self, samples, layer_ids)
+
+    monkeypatch.setattr(TransformersBackend, "features", counted)
+    copied = HiddenStateStore(stages.extract(ExtractConfig(dtype="float32"), recorded_dir, tmp_path / "s1", target))
+    assert len(computed) == 2 and copied.manifest["recorded_samples"] == 3  # only the two regenerated
+    again = HiddenStateStore(stages.extract(ExtractConfig(dtype="float32"), plain_dir, tmp_path / "s2", target))
+    assert len(computed) == 2 + 5
+    assert len(copied) == len(again) == 5
+    for i in range(5):  # a recorded chat also keeps the turn it was writing when its length ran out
+        a, b = copied[i], again[i]
+        n = len(b["input_ids"])
+        assert copied.sample_id(i) == again.sample_id(i) and len(a["input_ids"]) >= n
+        assert torch.equal(a["input_ids"][:n], b["input_ids"]) and torch.equal(a["loss_mask"][:n], b["loss_mask"])
+        torch.testing.assert_close(a["aux_hidden"][:n], b["aux_hidden"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a["last_hidden"][:n], b["last_hidden"], atol=1e-4, rtol=1e-4)
+    other = stages.extract(ExtractConfig(dtype="float32", layers=(0, 1)), recorded_dir, tmp_path / "s3", target)
+    assert len(computed) == 2 + 5 + 5 and "recorded_samples" not in HiddenStateStore(other).manifest

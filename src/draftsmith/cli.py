@@ -142,6 +142,9 @@ def data(
     self_chat_minutes: Annotated[
         float | None, typer.Option(help="write only the whole batches of --self-chat chats that fit in this time")
     ] = None,
+    record_features: Annotated[
+        bool, typer.Option(help="keep the --self-chat chats' hidden states as they are written: extract copies them")
+    ] = False,
     limit: Annotated[int | None, typer.Option(help="first N conversations of each source")] = None,
     skip: Annotated[int, typer.Option(help="skip the first N records of each source (held out for eval)")] = 0,
     hf_split: str = "train",

@@ -31,6 +31,8 @@ class DataConfig(StageConfig):
     self_chat_minutes: float | None = Field(default=None, gt=0)  # ... or as many as fit in this time (whole batches)
     self_chat_user_temperature: float = Field(default=1.0, gt=0)  # the sampled user turns (replies stay greedy)
     self_chat_loop_ngram: int = Field(default=0, ge=0)  # N > 0: a reply ends before it repeats one of its N-grams
+    # keep the self-chats' hidden states (default aux layers) as they are written: extract copies them, no 2nd pass
+    record_features: bool = False
     limit: int | None = Field(default=None, ge=1)
     skip: int = Field(default=0, ge=0)  # records skipped at the start of each source: held out for evaluation
     hf_split: str = "train"
@@ -90,7 +92,8 @@ def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
             resolve_sources(cfg), out, target=target, regenerate=cfg.regenerate, synth=cfg.synth,
             self_chat=cfg.self_chat, self_chat_length=cfg.self_chat_length, self_chat_minutes=cfg.self_chat_minutes,
             self_chat_user_temperature=cfg.self_chat_user_temperature,
-            self_chat_loop_ngram=cfg.self_chat_loop_ngram, synth_kinds=cfg.synth_kinds,
+            self_chat_loop_ngram=cfg.self_chat_loop_ngram, record_features=cfg.record_features,
+            synth_kinds=cfg.synth_kinds,
             limit=cfg.limit, skip=cfg.skip, hf_split=cfg.hf_split, seed=cfg.seed,
             temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, backend=backend,
         )  # fmt: skip
@@ -107,15 +110,41 @@ def extract(cfg: ExtractConfig, data_dir: Path, out: Path, target: Target) -> Pa
 
     claim_dir(out, "extract", mark=False)  # the store writes its own manifest before any shard
     conversations = load_stage_conversations(data_dir)
-    samples = list(tokenize_dataset(target.tokenizer, conversations, cfg.max_length))
     backend = get_backend(cfg.backend, target, cfg.backend_options)
     try:
+        recorded = recorded_features(data_dir, target, cfg.layers, backend)
+        if recorded is None:
+            samples = list(tokenize_dataset(target.tokenizer, conversations, cfg.max_length))
+        else:  # a recorded chat is stored as the target wrote it; the rest are tokenised as usual
+            rest = [c for c in conversations if c.id not in recorded]
+            tokenised = {s[0]: s for s in tokenize_dataset(target.tokenizer, rest, cfg.max_length)} if rest else {}
+            samples = [
+                (c.id, *recorded.sample(c.id)) if c.id in recorded else tokenised[c.id]
+                for c in conversations
+                if c.id in recorded or c.id in tokenised
+            ]
         return run_extract(
             target, samples, out, layer_ids=cfg.layers, dtype=cfg.dtype, shard_size=cfg.shard_size,
-            max_length=cfg.max_length, backend=backend,
+            max_length=cfg.max_length, backend=backend, recorded=recorded,
         )  # fmt: skip
     finally:
         backend.close()
+
+
+def recorded_features(data_dir: Path, target: Target, layers: tuple[int, ...] | None, backend):
+    """The features the data stage recorded as the target wrote its self-chats (`data.record_features`), when they
+    are what this extraction would compute (same target, layers and engine); None when there are none to use."""
+    from draftsmith.data.stage import RECORDED
+    from draftsmith.store import RecordedFeatures, Recording, check_layer_ids, default_aux_layers, engine_label
+
+    folder = Path(data_dir) / RECORDED
+    if not folder.is_dir():
+        return None
+    ids = check_layer_ids(layers or default_aux_layers(target.num_layers), target.num_layers)
+    recorded = RecordedFeatures(folder, Recording(target.fingerprint(), ids, engine_label(backend.describe())))
+    for why, files in recorded.refused.items():
+        warn(f"{files} files of recorded features in {folder} not used (computed again instead): {why}")
+    return recorded if recorded.index else None
 
 
 def vocab(cfg: VocabConfig, source: Path, out: Path, target: Target | None = None):

@@ -35,6 +35,7 @@ import json
 import shutil
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -108,6 +109,83 @@ def _gb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
+# --------------------------------------------------------------------------------------------- recorded features
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What features recorded as the target wrote are made with; `extract` stores them only when its own run would
+    compute the same: the same target (fingerprint), layer ids and engine (`engine_label`, compute dtype included)."""
+
+    fingerprint: str
+    layer_ids: tuple[int, ...]
+    engine: str
+
+    def metadata(self) -> dict[str, str]:
+        return {"target_fingerprint": self.fingerprint, "layer_ids": json.dumps(list(self.layer_ids)),
+                "engine": self.engine}  # fmt: skip
+
+
+RecordedSample = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""(sample id, input_ids int32 (T,), loss_mask uint8 (T,), aux_hidden (T, n*H), last_hidden (T, H))."""
+
+
+def write_recorded(path: Path, samples: Sequence[RecordedSample], recording: Recording) -> None:
+    """One batch of recorded samples as one file, in a shard's tensor layout (written whole or not at all)."""
+    metadata = recording.metadata() | {"format": FORMAT, "sample_ids": json.dumps([s[0] for s in samples])}
+    tmp = temp_path(path)
+    save_file(_shard_tensors(samples), str(tmp), metadata={META_KEY: json.dumps(metadata, sort_keys=True)})
+    commit_file(tmp, path)
+
+
+class RecordedFeatures:
+    """The samples whose features a data stage recorded (`write_recorded` files in `folder`) that match what this
+    extraction computes; `extract` copies them instead of running the target over them again."""
+
+    def __init__(self, folder: Path, wanted: Recording) -> None:
+        self.index: dict[str, tuple[Path, int]] = {}
+        self.refused: dict[str, int] = {}  # why files were not used -> how many
+        self._open: dict[Path, Any] = {}
+        for path in sorted(Path(folder).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                meta = _shard_metadata(f)
+            made = Recording(meta.get("target_fingerprint", ""), tuple(json.loads(meta.get("layer_ids", "[]"))),
+                             meta.get("engine", ""))  # fmt: skip
+            if made != wanted:
+                why = (f"made with layers {list(made.layer_ids)} by {made.engine} (target {made.fingerprint}); this "
+                       f"extraction computes layers {list(wanted.layer_ids)} by {wanted.engine} "
+                       f"(target {wanted.fingerprint})")  # fmt: skip
+                self.refused[why] = self.refused.get(why, 0) + 1
+                continue
+            for j, sid in enumerate(json.loads(meta["sample_ids"])):
+                self.index[sid] = (path, j)
+
+    def __contains__(self, sid: str) -> bool:
+        return sid in self.index
+
+    def sample(self, sid: str) -> tuple[list[int], list[int]]:
+        """The token ids and loss mask the target wrote (its tokens as written, not the text re-tokenised)."""
+        f, a, b = self._rows(sid)
+        return f.get_slice("input_ids")[a:b].tolist(), f.get_slice("loss_mask")[a:b].tolist()
+
+    def features(self, sid: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(aux, last) of the first len(ids) tokens, or None unless `sid` was recorded with exactly those tokens."""
+        if sid not in self.index:
+            return None
+        f, a, b = self._rows(sid)
+        n = len(ids)
+        if n > b - a or not torch.equal(f.get_slice("input_ids")[a : a + n], ids):
+            return None
+        return f.get_slice("aux_hidden")[a : a + n], f.get_slice("last_hidden")[a : a + n]
+
+    def _rows(self, sid: str) -> tuple[Any, int, int]:
+        path, j = self.index[sid]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        offsets = self._open[path].get_slice("offsets")[j : j + 2].tolist()
+        return self._open[path], offsets[0], offsets[1]
+
+
 # --------------------------------------------------------------------------------------------- writing
 
 
@@ -123,8 +201,12 @@ def extract(
     progress: bool = True,
     console: Console | None = None,
     backend: Backend | None = None,
+    recorded: RecordedFeatures | None = None,
 ) -> Path:
     """Run `target` over `samples` and store their hidden states in `out_dir`; returns the store directory.
+
+    `recorded`: features the data stage recorded as the target wrote (`RecordedFeatures`); the samples it holds
+    with exactly these tokens are copied from it, not computed again.
 
     `backend` computes the features (default: transformers, on the target as loaded); the manifest records which
     one did, and a store is resumed only by the backend that started it: two engines never agree to the last bit.
@@ -202,6 +284,8 @@ def extract(
         "backend": backend.describe(),
         "config": config,
     }
+    if recorded is not None and recorded.index:  # features the data stage recorded as the target wrote them
+        meta["recorded_samples"] = len(recorded.index)
     _write_manifest(out, meta, done, complete=False)
 
     store_dtype = STORE_DTYPES[dtype]
@@ -212,16 +296,21 @@ def extract(
     check_idx, check_digest, check_left = 0, hashlib.sha256(), done[0]["samples"] if done else 0
     seen = 0
     new_tokens, start = 0, time.perf_counter()
+    copied = 0  # samples whose features came from `recorded`
     bar = _progress(progress, console)
 
     def write_next_shard() -> None:
         """Features for `todo` (the backend sees a whole shard: a batching engine batches it), then the shard."""
-        nonlocal shard_index, todo, digest, new_tokens
+        nonlocal shard_index, todo, digest, new_tokens, copied
         pending = []
-        features = backend.features([sample_ids for _, sample_ids, _ in todo], ids)
-        for (sid, ids_t, mask_t), (aux, last) in zip(todo, features, strict=True):
+        known = [recorded.features(sid, ids_t) if recorded else None for sid, ids_t, _ in todo]
+        missing = [ids_t for (_, ids_t, _), k in zip(todo, known, strict=True) if k is None]
+        computed = iter(backend.features(missing, ids) if missing else ())
+        for (sid, ids_t, mask_t), k in zip(todo, known, strict=True):
+            aux, last = k if k is not None else next(computed)
             pending.append((sid, ids_t, mask_t, aux.to("cpu", store_dtype).contiguous(),
                             last.to("cpu", store_dtype).contiguous()))  # fmt: skip
+            copied += k is not None
             new_tokens += len(ids_t)
             bar.advance(task)
             bar.update(task, description=f"extract ({new_tokens / (time.perf_counter() - start):.0f} tok/s)")
@@ -265,6 +354,8 @@ def extract(
     manifest = _write_manifest(out, meta, done, complete=True)
     size = sum(s["bytes"] for s in done)
     rate = f", {new_tokens / elapsed:.0f} tokens/s" if new_tokens else " (nothing new: the store was complete)"
+    if copied:
+        rate += f"; {copied} samples copied from the features recorded as the target wrote them"
     console.print(
         f"extract: stored {manifest['samples']} samples, {manifest['tokens']} tokens in {len(done)} shards, "
         f"{_gb(size)} ({size / max(manifest['tokens'], 1):.1f} bytes/token){rate}"
@@ -315,18 +406,23 @@ def _shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-def _write_shard(
-    out: Path, index: int, first: int, pending, header: dict, target_name: str, digest, per_token: int
-) -> dict[str, Any]:
-    ids = torch.cat([p[1] for p in pending])
+def _shard_tensors(pending) -> dict[str, torch.Tensor]:
+    """(sample id, ids, mask, aux, last) per sample -> the tensors of a shard, samples concatenated."""
     lengths = torch.tensor([len(p[1]) for p in pending], dtype=torch.int64)
-    tensors = {
-        "input_ids": ids,
+    return {
+        "input_ids": torch.cat([p[1] for p in pending]),
         "loss_mask": torch.cat([p[2] for p in pending]),
         "aux_hidden": torch.cat([p[3] for p in pending]),
         "last_hidden": torch.cat([p[4] for p in pending]),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
     }
+
+
+def _write_shard(
+    out: Path, index: int, first: int, pending, header: dict, target_name: str, digest, per_token: int
+) -> dict[str, Any]:
+    tensors = _shard_tensors(pending)
+    ids = tensors["input_ids"]
     metadata = header | {
         "target": target_name,
         "first_sample": str(first),

@@ -21,6 +21,8 @@ import os
 import shutil
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +139,32 @@ class Target:
         aux = torch.cat([captured[i][0] for i in layer_ids], dim=-1) if layer_ids else None
         final = out.hidden_states[-1][0] if last_hidden else None
         return TargetOutput(logits=out.logits[0].float(), aux_hidden=aux, last_hidden=final)
+
+    @contextmanager
+    def recording(self, layer_ids: tuple[int, ...]) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Every model forward inside the block appends (aux (batch, new, n*H), last (batch, new, H)) for its new
+        tokens to the list it yields: the states `forward` returns, caught as a batched generation runs, so the
+        tokens a target writes need no second pass to extract (`data/selfchat.py`). The final normed state is the
+        output of the base model's final norm (what `output_hidden_states[-1]` holds)."""
+        norm = getattr(getattr(self.model, self.model.base_model_prefix, self.model), "norm", None)
+        if not isinstance(norm, torch.nn.Module):
+            raise TargetError(
+                f"cannot find the final norm of {type(self.model).__name__}, so its states cannot be recorded",
+                hint="extract the features in a second pass (leave capture_features off)",
+            )
+        captured: dict[int, torch.Tensor] = {}
+        records: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def finish(module, args, output) -> None:
+            records.append((torch.cat([captured[i] for i in layer_ids], dim=-1), output))
+
+        handles = [self.layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True) for i in layer_ids]
+        handles.append(norm.register_forward_hook(finish))
+        try:
+            yield records
+        finally:
+            for h in handles:
+                h.remove()
 
     def cast(self, dtype: str) -> Target:
         """This target computing in `dtype`: a copy of the model cast to it, the same name, tokenizer and

@@ -15,6 +15,12 @@ extraction and questions about a passage come out of the target's own texts.
 Output: `chat.jsonl` in the data directory, one {"id", "messages", "kind"} per line, appended and fsynced per batch;
 a re-run skips the batches already there (each batch's RNG comes from the seed and its index).
 
+`record` (a `store.Recording`): every token of a chat passes through the target exactly once, in the prefill or in
+one decode step, so the hidden states `extract` would compute are there as the chats are written. They are kept,
+one file a batch in `record_dir` (written before the batch's chats), with the tokens exactly as the target wrote
+them and their loss mask (the reply tokens and the token that ends each reply, as `tokenize` marks them);
+`extract` copies them instead of a second pass over the chats (`store.RecordedFeatures`).
+
 A time budget (`minutes`) makes the data fit a machine instead of a count: the same profile wrote 533 tokens/s on
 an AMX Xeon (bf16) and 229 on an AVX2 EPYC (float32). No batch starts that would end past the budget at the mean
 batch time so far (the first always runs); the seconds spent are kept beside the chats (`chat.seconds.json`), so a
@@ -27,6 +33,7 @@ import json
 import os
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +46,7 @@ from draftsmith.data.synth import KINDS, _passage_request, check_kinds
 from draftsmith.data.tokenize import render_chat
 from draftsmith.errors import ConfigError, TargetError
 from draftsmith.progress import progress_bar
+from draftsmith.store import Recording, write_recorded
 from draftsmith.target import Target
 from draftsmith.util import write_atomic
 
@@ -115,6 +123,8 @@ def self_chat(
     loop_ngram: int = 0,
     kinds: tuple[str, ...] | list[str] = tuple(KINDS),
     minutes: float | None = None,
+    record: Recording | None = None,
+    record_dir: Path | None = None,
     progress: bool = True,
 ) -> Path:
     """Write `n` self-chats of `length` tokens each (template included) to `out_path`, or as many whole batches of
@@ -123,7 +133,9 @@ def self_chat(
 
     `loop_ngram` N > 0 also cuts a reply (marked the same) when its next token would repeat one of its earlier
     N-grams: a small target's greedy replies often loop, and every token of a loop is a token of data that teaches
-    nothing new (45 % of the first 128 tokens of the demo's replies were trigram copies, 15 % on MT-bench)."""
+    nothing new (45 % of the first 128 tokens of the demo's replies were trigram copies, 15 % on MT-bench).
+
+    `record`: keep each batch's hidden states in `record_dir` (module docstring)."""
     bad_budget = minutes is not None and minutes <= 0
     if (
         n < 0
@@ -168,10 +180,14 @@ def self_chat(
                     )
                     break
             began = time.perf_counter()
-            rows = _write_batch(
+            rows, written = _write_batch(
                 target, template, [names[i] for i in batch], random.Random(f"{seed}/{start}"), length,
-                max_turn_tokens, temperature, user_temperature, loop_ngram,
+                max_turn_tokens, temperature, user_temperature, loop_ngram, record,
             )  # fmt: skip
+            if record is not None:
+                Path(record_dir).mkdir(parents=True, exist_ok=True)
+                samples = [(ids[i], *w) for i, w in zip(batch, written, strict=True)]
+                write_recorded(Path(record_dir) / f"batch-{start:06d}.safetensors", samples, record)
             took = time.perf_counter() - began
             seconds += took
             tokens += len(batch) * length
@@ -200,8 +216,10 @@ def _write_batch(
     temperature: float,
     user_temperature: float,
     loop_ngram: int,
-) -> list[_Row]:
-    """One batch of chats, every row decoded for the same number of steps (no row ever leaves)."""
+    record: Recording | None = None,
+) -> tuple[list[_Row], list[tuple[torch.Tensor, ...]]]:
+    """One batch of chats, every row decoded for the same number of steps (no row ever leaves); with `record`, also
+    each row's (token ids, loss mask, aux states, final states) over every token fed to the target."""
     torch.manual_seed(rng.getrandbits(63))
     rows, prompts = [], []
     for kind in kinds:
@@ -217,7 +235,10 @@ def _write_batch(
         prompts.append(template.start + turn)
     width = max(map(len, prompts))
     steps = max(length - width, 1)
-    with torch.inference_mode(), batched_attention(target.model):
+    fed = [list(p) for p in prompts]  # every token the target reads, per row
+    learned = [[0] * len(p) for p in prompts]  # 1: the assistant wrote it (a reply token or the one ending a reply)
+    recording = target.recording(record.layer_ids) if record else nullcontext([])
+    with torch.inference_mode(), batched_attention(target.model), recording as states:
         decoder = BatchDecoder(target, prompts, steps)
         for step in range(steps):
             greedy = choose(decoder.logits, temperature).tolist()
@@ -226,15 +247,26 @@ def _write_batch(
             writers = [i for i, row in enumerate(rows) if row.role == "user" and not row.forced]
             sampled = choose(decoder.logits[writers], user_temperature).tolist() if writers else []
             chosen = dict(enumerate(greedy)) | dict(zip(writers, sampled, strict=True))
+            replying = [row.role == "assistant" and not row.forced for row in rows]
             feed = [_advance(row, chosen[i], template, rng, max_turn_tokens, loop_ngram) for i, row in enumerate(rows)]
             if step < steps - 1:
                 decoder.step(torch.tensor(feed))
+                for i, token in enumerate(feed):
+                    fed[i].append(token)
+                    learned[i].append(int(replying[i]))
+    written = []
+    if states:  # the prefill's states, then one per decode step: the row's tokens after its left padding
+        aux, last = (torch.cat(parts, dim=1) for parts in zip(*states, strict=True))
+        for i, prompt in enumerate(prompts):
+            pad = width - len(prompt)
+            ids = torch.tensor(fed[i], dtype=torch.int32)
+            written.append((ids, torch.tensor(learned[i], dtype=torch.uint8), aux[i, pad:], last[i, pad:]))
     for row in rows:  # the turn in progress: a cut reply is kept (marked); a user message without a reply goes
         if row.role == "assistant" and row.turn:
             row.messages.append({"role": "assistant", "content": template.decode(row.turn), "truncated": True})
         elif row.messages and row.messages[-1]["role"] == "user":
             row.messages.pop()
-    return rows
+    return rows, written
 
 
 def _advance(

@@ -3,6 +3,8 @@
 Writes into `out_dir`:
   conversations.jsonl   every input conversation as {"id", "messages"} (atomic)
   regenerated.jsonl     with `regenerate`: the same conversations with target-written assistant turns (resumable)
+  chat.jsonl            with `self_chat`: chats the target wrote both sides of (resumable)
+  chat.features/        with `record_features`: their hidden states, recorded as they were written (for extract)
   manifest.json         stage "data": sources, counts, config, target, created time (atomic; "complete" at the end)
 
 Evaluation sets (builtin, mt_bench, humaneval, gsm8k by name) are refused: training on them would inflate every
@@ -29,6 +31,7 @@ from draftsmith.data.selfchat import self_chat as write_self_chat
 from draftsmith.data.sources import KNOWN_DATASETS, Conversation, read_records, record_to_conversation
 from draftsmith.data.synth import SYNTH_KINDS, check_kinds, synthesize_prompts
 from draftsmith.errors import ConfigError, DataError
+from draftsmith.store import Recording, default_aux_layers, engine_label
 from draftsmith.target import Target, hub_reachable
 from draftsmith.util import write_atomic
 
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from draftsmith.backends import Backend
 
 _FILE_SUFFIXES = (".jsonl", ".json", ".gz")
+RECORDED = "chat.features"  # the self-chats' hidden states, one file a batch (`store.write_recorded`)
 
 
 def build_dataset(
@@ -50,6 +54,7 @@ def build_dataset(
     self_chat_minutes: float | None = None,
     self_chat_user_temperature: float = 1.0,
     self_chat_loop_ngram: int = 0,
+    record_features: bool = False,
     synth_kinds: Sequence[str] = SYNTH_KINDS,
     limit: int | None = None,
     skip: int = 0,
@@ -68,10 +73,12 @@ def build_dataset(
     `synth` adds N prompts the target writes itself, spread evenly over `synth_kinds` (see `draftsmith.data.synth`;
     empty: unsteered pre-query samples); `self_chat` adds N multi-turn chats of `self_chat_length` tokens the target
     writes both sides of (or the whole batches of them that fit in `self_chat_minutes`), over the same kinds, its user
-    turns sampled at `self_chat_user_temperature`, its replies
-    cut before they repeat a `self_chat_loop_ngram`-gram when that is above 0 (see `draftsmith.data.selfchat`;
-    resumable). `temperature`, `max_new_tokens` (also the cap on a self-chat reply) and `batch_size` drive the
-    regeneration (synthesis samples at its own defaults, since a greedy prompt writer writes one prompt).
+    turns sampled at `self_chat_user_temperature`, its replies cut before they repeat a `self_chat_loop_ngram`-gram
+    when that is above 0 (see `draftsmith.data.selfchat`; resumable); `record_features` keeps the self-chats' hidden
+    states at the default aux layers as they are written, so that `extract` copies them instead of running the
+    target over the chats again. `temperature`, `max_new_tokens` (also the cap on a self-chat reply) and
+    `batch_size` drive the regeneration (synthesis samples at its own defaults, since a greedy prompt writer writes
+    one prompt).
     `backend` runs the target for synthesis and regeneration (default: transformers; the manifest records it).
     """
     if not sources and synth <= 0 and self_chat <= 0:
@@ -103,6 +110,7 @@ def build_dataset(
         # recorded only when not the default, so stores made before the setting existed still resume
         | ({"self_chat_user_temperature": self_chat_user_temperature} if self_chat_user_temperature != 1.0 else {})
         | ({"self_chat_loop_ngram": self_chat_loop_ngram} if self_chat_loop_ngram else {})
+        | ({"record_features": True} if record_features and self_chat > 0 else {})
         | ({"self_chat_minutes": self_chat_minutes} if self_chat_minutes is not None else {})
         | ({"skip": skip} if skip else {})
     )
@@ -136,11 +144,16 @@ def build_dataset(
         write_atomic(manifest_path, _manifest(inputs, counts, complete=False, backend=backend))
 
     if self_chat > 0:  # self-chat drives the model itself: the transformers backend's, cast to its dtype if asked
-        chat_target = backend.target if isinstance(backend, TransformersBackend) else target
+        engine = backend if isinstance(backend, TransformersBackend) else TransformersBackend(target)
+        record = None
+        if record_features:
+            layers = default_aux_layers(target.num_layers)
+            record = Recording(engine.target.fingerprint(), layers, engine_label(engine.describe()))
         write_self_chat(
-            chat_target, self_chat, chat_path, seed=seed, length=self_chat_length, batch_size=batch_size,
+            engine.target, self_chat, chat_path, seed=seed, length=self_chat_length, batch_size=batch_size,
             max_turn_tokens=max_new_tokens, temperature=temperature, user_temperature=self_chat_user_temperature,
-            loop_ngram=self_chat_loop_ngram, kinds=synth_kinds, minutes=self_chat_minutes,
+            loop_ngram=self_chat_loop_ngram, kinds=synth_kinds, minutes=self_chat_minutes, record=record,
+            record_dir=out_dir / RECORDED,
         )  # fmt: skip
         counts = counts | {"self_chat": sum(1 for _ in read_records(chat_path))}
     if regenerate and conversations:
