@@ -236,3 +236,24 @@ def test_extract_copies_recorded_states_and_stores_what_a_second_pass_would(tmp_
         torch.testing.assert_close(a["last_hidden"][:n], b["last_hidden"], atol=1e-4, rtol=1e-4)
     other = stages.extract(ExtractConfig(dtype="float32", layers=(0, 1)), recorded_dir, tmp_path / "s3", target)
     assert len(computed) == 2 + 5 + 5 and "recorded_samples" not in HiddenStateStore(other).manifest
+
+
+def test_a_batch_recorded_but_not_yet_written_is_recorded_again_identically(tmp_path):
+    """A crash between a batch's states (written first) and its chats: the resumed run rewrites that batch's file
+    with the same bytes and appends the same chats, so the states always belong to the chats on disk."""
+    target = chat_target(seed=5)
+    record = Recording(target.fingerprint(), default_aux_layers(target.num_layers), "transformers")
+    options = {"seed": 2, "length": 40, "batch_size": 2, "max_turn_tokens": 8, "kinds": (), "record": record,
+               "progress": False}  # fmt: skip
+    (tmp_path / "whole").mkdir()
+    whole = self_chat(target, 4, tmp_path / "whole" / "chat.jsonl", record_dir=tmp_path / "whole" / "s", **options)
+    states = sorted((tmp_path / "whole" / "s").iterdir())
+    out = tmp_path / "cut" / "chat.jsonl"
+    out.parent.mkdir()
+    out.write_text("".join(whole.read_text().splitlines(keepends=True)[:2]))  # the first batch's chats only
+    (tmp_path / "cut" / "s").mkdir()
+    (tmp_path / "cut" / "s" / states[1].name).write_bytes(b"torn")  # the second batch's states, half written
+    self_chat(target, 4, out, record_dir=tmp_path / "cut" / "s", **options)
+    assert out.read_text() == whole.read_text()
+    assert (tmp_path / "cut" / "s" / states[1].name).read_bytes() == states[1].read_bytes()
+    assert not (tmp_path / "cut" / "s" / states[0].name).exists()  # its chats were on disk: not redone
