@@ -135,7 +135,8 @@ def self_chat(
     N-grams: a small target's greedy replies often loop, and every token of a loop is a token of data that teaches
     nothing new (45 % of the first 128 tokens of the demo's replies were trigram copies, 15 % on MT-bench).
 
-    `record`: keep each batch's hidden states in `record_dir` (module docstring)."""
+    `record`: keep each batch's hidden states in `record_dir` (default: beside `out_path`, `chat.features` for
+    `chat.jsonl`; module docstring)."""
     bad_budget = minutes is not None and minutes <= 0
     if (
         n < 0
@@ -185,9 +186,10 @@ def self_chat(
                 max_turn_tokens, temperature, user_temperature, loop_ngram, record,
             )  # fmt: skip
             if record is not None:
-                Path(record_dir).mkdir(parents=True, exist_ok=True)
+                folder = Path(record_dir or Path(out_path).with_suffix(".features"))
+                folder.mkdir(parents=True, exist_ok=True)
                 samples = [(ids[i], *w) for i, w in zip(batch, written, strict=True)]
-                write_recorded(Path(record_dir) / f"batch-{start:06d}.safetensors", samples, record)
+                write_recorded(folder / f"batch-{start:06d}.safetensors", samples, record)
             took = time.perf_counter() - began
             seconds += took
             tokens += len(batch) * length
