@@ -110,7 +110,7 @@ def run_self_chat(target: Target, n: int, args, work: Path, record: Recording | 
     out = Path(tempfile.mkdtemp(dir=work)) / "chat.jsonl"
     start = time.perf_counter()
     self_chat(target, n, out, seed=0, length=args.chat_length, batch_size=args.batch_size, record=record,
-              record_dir=out.parent / "states", progress=False)  # fmt: skip
+              progress=False)  # fmt: skip
     return n * args.chat_length, time.perf_counter() - start, out.read_text()
 
 

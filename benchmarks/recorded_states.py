@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.backends.hf import TransformersBackend
-from draftsmith.data.selfchat import self_chat
+from draftsmith.data.selfchat import recorded_dir, self_chat
 from draftsmith.data.tokenize import tokenize_conversation
 from draftsmith.store import RecordedFeatures, Recording, default_aux_layers, engine_label
 from draftsmith.target import load_target
@@ -44,9 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         chats = Path(tmp) / "chat.jsonl"
         self_chat(cast.target, args.chats, chats, seed=0, length=args.length, batch_size=args.chats,
-                  max_turn_tokens=args.length // 2, record=record, record_dir=Path(tmp) / "states",
-                  progress=False)  # fmt: skip
-        recorded = RecordedFeatures(Path(tmp) / "states", record)
+                  max_turn_tokens=args.length // 2, record=record, progress=False)  # fmt: skip
+        recorded = RecordedFeatures(recorded_dir(chats))
         same_tokens = 0
         gaps = torch.zeros(2, len(layers) + 1)  # (extracted, recorded) x (aux layers..., final)
         records = [json.loads(line) for line in chats.read_text().splitlines()]

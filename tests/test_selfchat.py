@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 from draftsmith import stages
 from draftsmith.backends.batch import generate_batch
 from draftsmith.backends.hf import TransformersBackend
-from draftsmith.data.selfchat import FOLLOW_UPS, Template, self_chat
+from draftsmith.data.selfchat import FOLLOW_UPS, Template, recorded_dir, self_chat
 from draftsmith.data.stage import build_dataset, load_stage_conversations
 from draftsmith.data.tokenize import tokenize_conversation
 from draftsmith.errors import ConfigError, DataError
@@ -180,11 +180,13 @@ def test_recorded_states_are_the_targets_own_for_exactly_the_tokens_it_wrote(tmp
     layers = default_aux_layers(target.num_layers)
     record = Recording(target.fingerprint(), layers, "transformers")
     out = self_chat(target, 6, tmp_path / "chat.jsonl", seed=1, length=80, batch_size=4, max_turn_tokens=10,
-                    kinds=(), record=record, record_dir=tmp_path / "states", progress=False)  # fmt: skip
-    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == [
+                    kinds=(), record=record, progress=False)  # fmt: skip
+    assert recorded_dir(out) == tmp_path / "chat.features"
+    assert sorted(p.name for p in recorded_dir(out).iterdir()) == [
         "batch-000000.safetensors", "batch-000004.safetensors"
     ]  # fmt: skip
-    recorded = RecordedFeatures(tmp_path / "states", record)
+    recorded = RecordedFeatures(recorded_dir(out))
+    assert recorded.keep_only(record) == []
     for chat in chats(out):
         ids, mask = recorded.sample(chat["id"])
         written, learned = tokenize_conversation(target.tokenizer, chat["messages"], 1000)
@@ -197,8 +199,8 @@ def test_recorded_states_are_the_targets_own_for_exactly_the_tokens_it_wrote(tmp
         torch.testing.assert_close(last, fresh.last_hidden, atol=1e-4, rtol=1e-4)
         assert recorded.features(chat["id"], torch.tensor(ids[:-1] + [ids[-1] ^ 1], dtype=torch.int32)) is None
     other = Recording(target.fingerprint(), (0, 1, 2), "transformers")
-    refused = RecordedFeatures(tmp_path / "states", other)
-    assert not refused.index and sum(refused.refused.values()) == 2
+    [refusal] = recorded.keep_only(other)
+    assert not recorded.index and refusal.startswith("2 files of recorded features not used")
 
 
 def test_extract_copies_recorded_states_and_stores_what_a_second_pass_would(tmp_path, monkeypatch):
@@ -246,14 +248,14 @@ def test_a_batch_recorded_but_not_yet_written_is_recorded_again_identically(tmp_
     options = {"seed": 2, "length": 40, "batch_size": 2, "max_turn_tokens": 8, "kinds": (), "record": record,
                "progress": False}  # fmt: skip
     (tmp_path / "whole").mkdir()
-    whole = self_chat(target, 4, tmp_path / "whole" / "chat.jsonl", record_dir=tmp_path / "whole" / "s", **options)
-    states = sorted((tmp_path / "whole" / "s").iterdir())
+    whole = self_chat(target, 4, tmp_path / "whole" / "chat.jsonl", **options)
+    states = sorted(recorded_dir(whole).iterdir())
     out = tmp_path / "cut" / "chat.jsonl"
     out.parent.mkdir()
     out.write_text("".join(whole.read_text().splitlines(keepends=True)[:2]))  # the first batch's chats only
-    (tmp_path / "cut" / "s").mkdir()
-    (tmp_path / "cut" / "s" / states[1].name).write_bytes(b"torn")  # the second batch's states, half written
-    self_chat(target, 4, out, record_dir=tmp_path / "cut" / "s", **options)
+    recorded_dir(out).mkdir()
+    (recorded_dir(out) / states[1].name).write_bytes(b"torn")  # the second batch's states, half written
+    self_chat(target, 4, out, **options)
     assert out.read_text() == whole.read_text()
-    assert (tmp_path / "cut" / "s" / states[1].name).read_bytes() == states[1].read_bytes()
-    assert not (tmp_path / "cut" / "s" / states[0].name).exists()  # its chats were on disk: not redone
+    assert (recorded_dir(out) / states[1].name).read_bytes() == states[1].read_bytes()
+    assert not (recorded_dir(out) / states[0].name).exists()  # its chats were on disk: not redone

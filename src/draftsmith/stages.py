@@ -104,18 +104,21 @@ def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
 
 def extract(cfg: ExtractConfig, data_dir: Path, out: Path, target: Target) -> Path:
     from draftsmith.backends import get_backend
-    from draftsmith.data.stage import load_stage_conversations
+    from draftsmith.data.selfchat import recorded_dir
+    from draftsmith.data.stage import CHATS, load_stage_conversations
     from draftsmith.data.tokenize import tokenize_dataset
+    from draftsmith.store import RecordedFeatures
     from draftsmith.store import extract as run_extract
 
     claim_dir(out, "extract", mark=False)  # the store writes its own manifest before any shard
     conversations = load_stage_conversations(data_dir)
     backend = get_backend(cfg.backend, target, cfg.backend_options)
     try:
-        recorded = recorded_features(data_dir, target, cfg.layers, backend)
+        folder = recorded_dir(Path(data_dir) / CHATS)  # the self-chats' states, when `data.record_features` kept them
+        recorded = RecordedFeatures(folder) if folder.is_dir() else None
         if recorded is None:
             samples = list(tokenize_dataset(target.tokenizer, conversations, cfg.max_length))
-        else:  # a recorded chat is stored as the target wrote it; the rest are tokenised as usual
+        else:  # a recorded chat is stored as the target wrote it (its tokens); the rest are tokenised as usual
             rest = [c for c in conversations if c.id not in recorded]
             tokenised = {s[0]: s for s in tokenize_dataset(target.tokenizer, rest, cfg.max_length)} if rest else {}
             samples = [
@@ -129,22 +132,6 @@ def extract(cfg: ExtractConfig, data_dir: Path, out: Path, target: Target) -> Pa
         )  # fmt: skip
     finally:
         backend.close()
-
-
-def recorded_features(data_dir: Path, target: Target, layers: tuple[int, ...] | None, backend):
-    """The features the data stage recorded as the target wrote its self-chats (`data.record_features`), when they
-    are what this extraction would compute (same target, layers and engine); None when there are none to use."""
-    from draftsmith.data.stage import RECORDED
-    from draftsmith.store import RecordedFeatures, Recording, check_layer_ids, default_aux_layers, engine_label
-
-    folder = Path(data_dir) / RECORDED
-    if not folder.is_dir():
-        return None
-    ids = check_layer_ids(layers or default_aux_layers(target.num_layers), target.num_layers)
-    recorded = RecordedFeatures(folder, Recording(target.fingerprint(), ids, engine_label(backend.describe())))
-    for why, files in recorded.refused.items():
-        warn(f"{files} files of recorded features in {folder} not used (computed again instead): {why}")
-    return recorded if recorded.index else None
 
 
 def vocab(cfg: VocabConfig, source: Path, out: Path, target: Target | None = None):

@@ -34,6 +34,7 @@ import hashlib
 import json
 import shutil
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -139,26 +140,31 @@ def write_recorded(path: Path, samples: Sequence[RecordedSample], recording: Rec
 
 
 class RecordedFeatures:
-    """The samples whose features a data stage recorded (`write_recorded` files in `folder`) that match what this
-    extraction computes; `extract` copies them instead of running the target over them again."""
+    """The samples whose features a data stage recorded (`write_recorded` files in `folder`); `extract` keeps those
+    made as it would compute them (`keep_only`) and copies them instead of running the target over them again."""
 
-    def __init__(self, folder: Path, wanted: Recording) -> None:
+    def __init__(self, folder: Path) -> None:
         self.index: dict[str, tuple[Path, int]] = {}
-        self.refused: dict[str, int] = {}  # why files were not used -> how many
+        self.made: dict[Path, Recording] = {}
         self._open: dict[Path, Any] = {}
         for path in sorted(Path(folder).glob("*.safetensors")):
             with safe_open(str(path), framework="pt") as f:
                 meta = _shard_metadata(f)
-            made = Recording(meta.get("target_fingerprint", ""), tuple(json.loads(meta.get("layer_ids", "[]"))),
-                             meta.get("engine", ""))  # fmt: skip
-            if made != wanted:
-                why = (f"made with layers {list(made.layer_ids)} by {made.engine} (target {made.fingerprint}); this "
-                       f"extraction computes layers {list(wanted.layer_ids)} by {wanted.engine} "
-                       f"(target {wanted.fingerprint})")  # fmt: skip
-                self.refused[why] = self.refused.get(why, 0) + 1
-                continue
+            layers = tuple(json.loads(meta.get("layer_ids", "[]")))
+            self.made[path] = Recording(meta.get("target_fingerprint", ""), layers, meta.get("engine", ""))
             for j, sid in enumerate(json.loads(meta["sample_ids"])):
                 self.index[sid] = (path, j)
+
+    def keep_only(self, wanted: Recording) -> list[str]:
+        """Forget the files not made as `wanted`; one line per kind of mismatch, saying how many files and why."""
+        refused = Counter(made for made in self.made.values() if made != wanted)
+        self.index = {sid: (path, j) for sid, (path, j) in self.index.items() if self.made[path] == wanted}
+        return [
+            f"{n} files of recorded features not used (computed again instead): made with layers "
+            f"{list(made.layer_ids)} by {made.engine} (target {made.fingerprint}); this extraction computes layers "
+            f"{list(wanted.layer_ids)} by {wanted.engine} (target {wanted.fingerprint})"
+            for made, n in refused.items()
+        ]
 
     def __contains__(self, sid: str) -> bool:
         return sid in self.index
@@ -284,8 +290,11 @@ def extract(
         "backend": backend.describe(),
         "config": config,
     }
-    if recorded is not None and recorded.index:  # features the data stage recorded as the target wrote them
-        meta["recorded_samples"] = len(recorded.index)
+    if recorded is not None:  # features the data stage recorded as the target wrote them, where they are ours
+        for refusal in recorded.keep_only(Recording(fingerprint, ids, engine_label(backend.describe()))):
+            console.print(f"[yellow]warning: {refusal}[/]", highlight=False)
+        if recorded.index:
+            meta["recorded_samples"] = len(recorded.index)
     _write_manifest(out, meta, done, complete=False)
 
     store_dtype = STORE_DTYPES[dtype]

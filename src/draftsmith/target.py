@@ -150,7 +150,7 @@ class Target:
         if not isinstance(norm, torch.nn.Module):
             raise TargetError(
                 f"cannot find the final norm of {type(self.model).__name__}, so its states cannot be recorded",
-                hint="extract the features in a second pass (leave capture_features off)",
+                hint="extract the features in a second pass (leave data.record_features off)",
             )
         captured: dict[int, torch.Tensor] = {}
         records: list[tuple[torch.Tensor, torch.Tensor]] = []

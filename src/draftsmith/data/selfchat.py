@@ -17,9 +17,10 @@ a re-run skips the batches already there (each batch's RNG comes from the seed a
 
 `record` (a `store.Recording`): every token of a chat passes through the target exactly once, in the prefill or in
 one decode step, so the hidden states `extract` would compute are there as the chats are written. They are kept,
-one file a batch in `record_dir` (written before the batch's chats), with the tokens exactly as the target wrote
-them and their loss mask (the reply tokens and the token that ends each reply, as `tokenize` marks them);
-`extract` copies them instead of a second pass over the chats (`store.RecordedFeatures`).
+one file a batch in `recorded_dir(out_path)` (`chat.features/` beside `chat.jsonl`; written before the batch's
+chats), with the tokens exactly as the target wrote them and their loss mask (the reply tokens and the token that
+ends each reply, as `tokenize` marks them); `extract` copies them instead of a second pass over the chats
+(`store.RecordedFeatures`).
 
 A time budget (`minutes`) makes the data fit a machine instead of a count: the same profile wrote 533 tokens/s on
 an AMX Xeon (bf16) and 229 on an AVX2 EPYC (float32). No batch starts that would end past the budget at the mean
@@ -124,7 +125,6 @@ def self_chat(
     kinds: tuple[str, ...] | list[str] = tuple(KINDS),
     minutes: float | None = None,
     record: Recording | None = None,
-    record_dir: Path | None = None,
     progress: bool = True,
 ) -> Path:
     """Write `n` self-chats of `length` tokens each (template included) to `out_path`, or as many whole batches of
@@ -135,8 +135,7 @@ def self_chat(
     N-grams: a small target's greedy replies often loop, and every token of a loop is a token of data that teaches
     nothing new (45 % of the first 128 tokens of the demo's replies were trigram copies, 15 % on MT-bench).
 
-    `record`: keep each batch's hidden states in `record_dir` (default: beside `out_path`, `chat.features` for
-    `chat.jsonl`; module docstring)."""
+    `record`: keep each batch's hidden states in `recorded_dir(out_path)` (module docstring)."""
     bad_budget = minutes is not None and minutes <= 0
     if (
         n < 0
@@ -186,7 +185,7 @@ def self_chat(
                 max_turn_tokens, temperature, user_temperature, loop_ngram, record,
             )  # fmt: skip
             if record is not None:
-                folder = Path(record_dir or Path(out_path).with_suffix(".features"))
+                folder = recorded_dir(out_path)
                 folder.mkdir(parents=True, exist_ok=True)
                 samples = [(ids[i], *w) for i, w in zip(batch, written, strict=True)]
                 write_recorded(folder / f"batch-{start:06d}.safetensors", samples, record)
@@ -206,6 +205,11 @@ def self_chat(
     if seconds:
         console.print(f"self-chat: {tokens:.0f} tokens in {seconds:.1f}s = {tokens / seconds:.1f} tokens/s")
     return Path(out_path)
+
+
+def recorded_dir(chat_path: Path) -> Path:
+    """Where `self_chat(..., record=...)` keeps the states of the chats in `chat_path`: `chat.features/`."""
+    return Path(chat_path).with_suffix(".features")
 
 
 def _write_batch(

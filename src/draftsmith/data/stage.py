@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from draftsmith.backends import Backend
 
 _FILE_SUFFIXES = (".jsonl", ".json", ".gz")
-RECORDED = "chat.features"  # the self-chats' hidden states, one file a batch (`store.write_recorded`)
+CHATS = "chat.jsonl"  # the self-chats; their recorded states beside them (`selfchat.recorded_dir`)
 
 
 def build_dataset(
@@ -116,7 +116,7 @@ def build_dataset(
     )
     inputs = {"sources": list(sources), "config": config, "target": target.name if target else None}
     conversations_path, regenerated_path = out_dir / "conversations.jsonl", out_dir / "regenerated.jsonl"
-    chat_path = out_dir / "chat.jsonl"
+    chat_path = out_dir / CHATS
     manifest_path = out_dir / "manifest.json"
 
     previous = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
@@ -153,7 +153,6 @@ def build_dataset(
             engine.target, self_chat, chat_path, seed=seed, length=self_chat_length, batch_size=batch_size,
             max_turn_tokens=max_new_tokens, temperature=temperature, user_temperature=self_chat_user_temperature,
             loop_ngram=self_chat_loop_ngram, kinds=synth_kinds, minutes=self_chat_minutes, record=record,
-            record_dir=out_dir / RECORDED,
         )  # fmt: skip
         counts = counts | {"self_chat": sum(1 for _ in read_records(chat_path))}
     if regenerate and conversations:
@@ -303,5 +302,5 @@ def load_stage_conversations(data_dir: Path) -> list[Conversation]:
             f"the data stage in {data_dir} did not finish", hint="re-run the same `draftsmith data` command"
         )
     name = "regenerated.jsonl" if manifest["config"]["regenerate"] else "conversations.jsonl"
-    files = [Path(data_dir) / n for n in (name, "chat.jsonl") if (Path(data_dir) / n).exists()]
+    files = [Path(data_dir) / n for n in (name, CHATS) if (Path(data_dir) / n).exists()]
     return [Conversation(r["id"], r["messages"]) for f in files for _, r in read_records(f)]
