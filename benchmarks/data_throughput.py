@@ -1,11 +1,14 @@
 """Data throughput: how many target-written tokens the data stage makes per second, against what a forward allows.
 
-Three measurements in one run, on the same prompts and the same (packed) target:
+The measurements in one run, on the same prompts and the same (packed) target:
 
 - prefill: one forward (no cache, `logits_to_keep=1`) over batches of the regenerated prompt+answer rows, sorted
   by length so little padding is computed. The upper bound: every weight read once serves a whole batch of tokens.
 - regeneration: `draftsmith.data.regenerate.regenerate` (the `draftsmith data --regenerate` code path, greedy) over
-  the prompts at `--batch-size`; tokens/s counts every token the target wrote, stop tokens included.
+  the prompts at `--batch-size`: rows that never drain (`backends/stream.py`); tokens/s counts every token the
+  target wrote, stop tokens included (re-tokenised from the output).
+- regeneration, turn batches: the same through the path of engines that batch inside (one batched generate per
+  turn, rows leaving as they finish), as regeneration ran on transformers before the stream.
 - self-chat: `draftsmith.data.selfchat.self_chat` (the `draftsmith data --self-chat` code path: the target writes
   both sides of multi-turn chats in a batch that never drains) for as many chats as prompts, `--chat-length`
   tokens each, at `--batch-size`; tokens/s counts every token of the chats.
@@ -16,7 +19,7 @@ Three measurements in one run, on the same prompts and the same (packed) target:
   as the stage computes it once per store.
 
 Each measurement runs `--repeats` times, interleaved (the order rotates every round) after one warm-up of each,
-so the noise of a shared machine hits all three alike; medians are printed with the number of runs. Regeneration
+so the noise of a shared machine hits all of them alike; medians are printed with the number of runs. Regeneration
 must write the same tokens every run (greedy). The script prints a measurement and always exits 0; measure on a
 quiet machine (`../shared/tools/quiet`).
 
@@ -31,11 +34,11 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from draftsmith.backends.batch import batched_attention, generate_batch
 from draftsmith.data import regenerate as regenerate_module
 from draftsmith.data import selfchat as selfchat_module
 from draftsmith.data.selfchat import self_chat
@@ -45,6 +48,7 @@ from draftsmith.pipeline import load_pipeline
 from draftsmith.store import Recording, default_aux_layers, extract
 from draftsmith.target import Target, load_target
 
+ARMS = ("prefill", "regeneration", "regeneration, turn batches", "self-chat", "self-chat recorded", "extraction")
 PROMPT_FILES = ("mt_bench_questions.jsonl", "gsm8k_test.jsonl")  # first turns of each, alternating
 
 
@@ -59,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chat-length", type=int, default=512, help="tokens per self-chat, as in the cpu profiles")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each measurement")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of: {', '.join(ARMS)}")
     parser.add_argument("--dtype", default="float32", help="the target's compute dtype")
     parser.add_argument("--data-dir", type=Path, default=os.environ.get("DRAFTSMITH_DATA"), help="benchmark prompts")
     return parser.parse_args(argv)
@@ -76,33 +81,38 @@ def load_prompts(data_dir: Path | None, n: int) -> tuple[str, list[Conversation]
     return "builtin", [builtin[i % len(builtin)] for i in range(n)]  # repeated when n exceeds the 60 builtins
 
 
-class Counted:
-    """Wraps `generate_batch` so a regeneration run can report exactly how many tokens the target wrote."""
+class TurnBatches:
+    """The regeneration path of engines that batch inside (vLLM): one `generate_batch` per turn of a batch of
+    conversations, whose rows leave as they finish."""
 
-    def __init__(self, inner: Callable) -> None:
-        self.inner, self.tokens = inner, 0
+    def __init__(self, target: Target) -> None:
+        self.target = target
 
-    def __call__(self, *args, **kwargs):
-        outputs = self.inner(*args, **kwargs)
-        self.tokens += sum(len(tokens) + ended for tokens, ended in outputs)
-        return outputs
+    def generate(self, prompts, *, seed, **options):
+        return generate_batch(self.target, prompts, **options)
 
 
-def run_regenerate(target: Target, convs: list[Conversation], args, work: Path) -> tuple[int, float, str]:
-    """(tokens written, seconds, the output text) of one regeneration into a fresh file."""
+def run_regenerate(
+    target: Target, convs: list[Conversation], args, work: Path, turn_batches: bool = False
+) -> tuple[int, float, str]:
+    """(tokens written, seconds, the output text) of one regeneration into a fresh file: rows that never drain (what
+    `draftsmith data --regenerate` runs on transformers), or with `turn_batches` a batched generate per turn."""
     out = Path(tempfile.mkdtemp(dir=work)) / "regenerated.jsonl"
-    counted = Counted(regenerate_module.generate_batch)
-    regenerate_module.generate_batch = counted
-    try:
-        start = time.perf_counter()
-        regenerate_module.regenerate(
-            target, convs, out, temperature=0.0, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-            seed=0, progress=False,
-        )  # fmt: skip
-        seconds = time.perf_counter() - start
-    finally:
-        regenerate_module.generate_batch = counted.inner
-    return counted.tokens, seconds, out.read_text()
+    start = time.perf_counter()
+    regenerate_module.regenerate(
+        target, convs, out, temperature=0.0, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        seed=0, progress=False, backend=TurnBatches(target) if turn_batches else None,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    return written_tokens(target, out.read_text()), seconds, out.read_text()
+
+
+def written_tokens(target: Target, text: str) -> int:
+    """Tokens the target wrote in a regeneration output: each assistant turn's tokens, and its stop token if it
+    stopped (re-tokenised from the text, the same count for both regeneration paths)."""
+    encode = lambda s: target.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turns = [m for line in text.splitlines() for m in json.loads(line)["messages"] if m["role"] == "assistant"]
+    return sum(len(encode(m["content"])) + (not m["truncated"]) for m in turns)
 
 
 def run_self_chat(target: Target, n: int, args, work: Path, record: Recording | None = None) -> tuple[int, float, str]:
@@ -120,7 +130,7 @@ def run_prefill(target: Target, rows: list[list[int]], batch_size: int) -> tuple
     rows = sorted(rows, key=len)
     pad = target.tokenizer.pad_token_id or 0
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), batched_attention(model):  # the attention the data stage's batches run
         for i in range(0, len(rows), batch_size):
             batch = rows[i : i + batch_size]
             width = max(map(len, batch))
@@ -168,15 +178,17 @@ def main(argv: list[str] | None = None) -> int:
             ids, mask = tokenize_conversation(target.tokenizer, conv.messages, args.extract_max_length, conv_id=conv.id)
             samples.append((conv.id, ids, mask))
         rows = [ids for _, ids, _ in samples]
-        run_prefill(target, rows[: args.batch_size], args.batch_size)
-        run_extract(target, samples[:2], args, work)
+        rates: dict[str, list[float]] = {name: [] for name in ARMS if name in args.arms.split(",")}
         record = Recording(fingerprint, default_aux_layers(target.num_layers), "transformers")
-        run_self_chat(target, 2, args, work)
-        run_self_chat(target, 2, args, work, record)
-
-        rates: dict[str, list[float]] = {
-            "prefill": [], "regeneration": [], "self-chat": [], "self-chat recorded": [], "extraction": []
-        }  # fmt: skip
+        warm_ups = {
+            "prefill": lambda: run_prefill(target, rows[: args.batch_size], args.batch_size),
+            "regeneration, turn batches": lambda: run_regenerate(target, convs[: args.batch_size], args, work, True),
+            "extraction": lambda: run_extract(target, samples[:2], args, work),
+            "self-chat": lambda: run_self_chat(target, 2, args, work),
+            "self-chat recorded": lambda: run_self_chat(target, 2, args, work, record),
+        }
+        for name in rates:
+            warm_ups.get(name, lambda: None)()
         identical = 0
         for r in range(args.repeats):
             order = list(rates)
@@ -184,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 if name == "prefill":
                     tokens, seconds = run_prefill(target, rows, args.batch_size)
-                elif name == "regeneration":
-                    tokens, seconds, again = run_regenerate(target, convs, args, work)
+                elif name.startswith("regeneration"):
+                    tokens, seconds, again = run_regenerate(target, convs, args, work, name.endswith("batches"))
                     identical += again == text
                 elif name.startswith("self-chat"):
                     recording = record if name.endswith("recorded") else None
@@ -193,20 +205,22 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     tokens, seconds = run_extract(target, samples, args, work)
                 rates[name].append(tokens / seconds)
-                print(f"  round {r + 1}: {name:<12} {tokens:>7} tokens in {seconds:7.2f} s = {tokens / seconds:7.1f} "
+                print(f"  round {r + 1}: {name:<26} {tokens:>7} tokens in {seconds:7.2f} s = {tokens / seconds:7.1f} "
                       "tokens/s", flush=True)  # fmt: skip
 
     median = {name: statistics.median(v) for name, v in rates.items()}
     print()
     for name, value in median.items():
-        print(f"{name:<18} {value:8.1f} tokens/s  (median of {len(rates[name])} runs)")
-    print(f"regeneration / prefill = {median['regeneration'] / median['prefill']:.2f}")
-    print(f"self-chat / prefill    = {median['self-chat'] / median['prefill']:.2f}")
-    print(f"extraction / prefill   = {median['extraction'] / median['prefill']:.2f}")
-    two_pass = 1 / (1 / median["self-chat"] + 1 / median["extraction"])
-    print(f"self-chat then extraction (two passes) {two_pass:.1f} tokens/s; recorded in one pass "
-          f"{median['self-chat recorded']:.1f} = {median['self-chat recorded'] / two_pass:.2f}x")  # fmt: skip
-    print(f"regeneration identical to the warm-up run: {identical}/{args.repeats}")
+        print(f"{name:<26} {value:8.1f} tokens/s  (median of {len(rates[name])} runs)")
+    for name in ("regeneration", "regeneration, turn batches", "self-chat", "extraction"):
+        if name in median and "prefill" in median:
+            print(f"{name + ' / prefill':<40} = {median[name] / median['prefill']:.2f}")
+    if {"self-chat", "extraction", "self-chat recorded"} <= set(median):
+        two_pass = 1 / (1 / median["self-chat"] + 1 / median["extraction"])
+        print(f"self-chat then extraction (two passes) {two_pass:.1f} tokens/s; recorded in one pass "
+              f"{median['self-chat recorded']:.1f} = {median['self-chat recorded'] / two_pass:.2f}x")  # fmt: skip
+    runs = sum(len(v) for name, v in rates.items() if name.startswith("regeneration"))
+    print(f"regenerations identical to the warm-up run: {identical}/{runs}")
     return 0
 
 

@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.backends.batch import generate_batch
+from draftsmith.backends.stream import StreamDecoder
 from draftsmith.data import regenerate as regenerate_module
 from draftsmith.data import stage as stage_module
 from draftsmith.data import synth as synth_module
 from draftsmith.data.regenerate import read_done_ids, regenerate
-from draftsmith.data.sources import Conversation
+from draftsmith.data.sources import Conversation, load_eval_prompts
 from draftsmith.data.stage import build_dataset
 from draftsmith.data.synth import pre_query, synthesize_prompts
 from draftsmith.data.tokenize import render_chat
@@ -98,37 +100,105 @@ def test_turn_that_ends_with_eos_is_not_truncated(tmp_path):
     assert cut["messages"][-1]["truncated"] is True  # no EOS within max_new_tokens on this random model
 
 
+class TurnBatches:
+    """An engine of its own, as vLLM is to `regenerate`: it gets one turn of a batch of conversations at a time
+    (`generate_batch` underneath), the path the stream of rows that never drain must match."""
+
+    def __init__(self, target) -> None:
+        self.target = target
+
+    def generate(self, prompts, *, seed, **options):
+        return generate_batch(self.target, prompts, **options)
+
+
+def multi_turn(n: int) -> list[Conversation]:
+    """Conversations of one to three user turns, some with old assistant turns to replace."""
+    convs = []
+    for i, conv in enumerate(prompts(n)):
+        turns = [conv.messages[0]]
+        for j in range(i % 3):
+            turns += [{"role": "assistant", "content": "t4"}] * (j % 2) + [user(f"t{30 + i + j} t{9 + j}")]
+        convs.append(Conversation(conv.id, turns))
+    return convs
+
+
+@pytest.mark.parametrize("retokenised", [False, True], ids=["extends", "retokenised"])
+def test_stream_writes_what_turn_by_turn_batches_write(tmp_path, monkeypatch, retokenised):
+    """Rows that never drain (prompts fed a token a step beside rows still writing, later turns fed only their new
+    tokens, or the whole history again when it does not extend what the row holds) write every turn exactly as one
+    batched generate per turn does."""
+    target = tiny_target(seed=9)
+    if retokenised:  # a later turn's prompt no longer starts with the tokens the row holds: it must restart
+        encode = regenerate_module._encode_prompt
+        monkeypatch.setattr(
+            regenerate_module, "_encode_prompt",
+            lambda t, history: [2 + len(history)] + encode(t, history),
+        )  # fmt: skip
+    restarts = []
+    step = StreamDecoder.step
+    monkeypatch.setattr(
+        StreamDecoder, "step", lambda self, tokens, restart=(): restarts.extend(restart) or step(self, tokens, restart)
+    )
+    convs = multi_turn(11)
+    options = GEN | {"batch_size": 3, "max_new_tokens": 5}
+    stream = read_jsonl(regenerate(target, convs, tmp_path / "stream.jsonl", **options))
+    turns = read_jsonl(regenerate(target, convs, tmp_path / "turns.jsonl", backend=TurnBatches(target), **options))
+    assert len(stream) == len(convs) and {r["id"]: r for r in stream} == {r["id"]: r for r in turns}
+    assert sum(len(r["messages"]) for r in stream) > 2 * len(convs)  # later turns were written
+    later_turns = sum(m["role"] == "assistant" for r in stream for m in r["messages"]) - len(convs)
+    fresh = len(convs) - 3  # each conversation after the first three restarts a row
+    if retokenised:
+        assert len(restarts) == fresh + later_turns
+    else:  # the tiny tokenizer re-reads some replies differently ("t10" -> "t1" "0"): those turns restart too
+        assert fresh <= len(restarts) < fresh + later_turns
+
+
+def test_smollm2_stream_writes_what_turn_by_turn_batches_write(smollm2, tmp_path):
+    """The real tokenizer and chat template: later turns extend the row's tokens, and the text of every turn is the
+    turn-by-turn batches' (which a test above holds to `model.generate`)."""
+    _, builtin = load_eval_prompts("builtin")
+    convs = [
+        Conversation(c.id, c.messages + [user("And in one sentence?")] * (i % 2)) for i, c in enumerate(builtin[:6])
+    ]
+    options = GEN | {"batch_size": 4, "max_new_tokens": 12}
+    stream = read_jsonl(regenerate(smollm2, convs, tmp_path / "stream.jsonl", **options))
+    turns = read_jsonl(regenerate(smollm2, convs, tmp_path / "turns.jsonl", backend=TurnBatches(smollm2), **options))
+    assert {r["id"]: r for r in stream} == {r["id"]: r for r in turns}
+    assert sum(m["role"] == "assistant" for r in stream for m in r["messages"]) == 9
+
+
 def test_resume_after_a_crash_writes_every_id_exactly_once(tmp_path, monkeypatch):
     target = tiny_target(seed=6)
     convs = prompts(9)
     reference = read_jsonl(regenerate(target, convs, tmp_path / "ref.jsonl", **(GEN | {"batch_size": 1})))
 
     out = tmp_path / "r.jsonl"
-    real = regenerate_module.generate_batch
+    real = StreamDecoder.step
     calls = []
 
-    def crash_on_third_batch(*args, **kwargs):
+    def crash_on_step_25(self, tokens, restart=()):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 25:
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        return real(self, tokens, restart)
 
-    monkeypatch.setattr(regenerate_module, "generate_batch", crash_on_third_batch)
+    monkeypatch.setattr(StreamDecoder, "step", crash_on_step_25)
     with pytest.raises(KeyboardInterrupt):
         regenerate(target, convs, out, **(GEN | {"batch_size": 2}))
-    assert len(read_jsonl(out)) == 4  # two whole batches reached the disk
+    written = len(read_jsonl(out))
+    assert 2 <= written < 9  # the conversations finished before the crash reached the disk
     with out.open("a") as f:
         f.write('{"id": "p8", "messages": [{"role": "us')  # a torn last line, as a kill mid-write leaves
-    monkeypatch.setattr(regenerate_module, "generate_batch", real)
+    monkeypatch.setattr(StreamDecoder, "step", real)
 
-    assert len(read_done_ids(out)) == 4 and out.read_text().endswith("\n")
+    assert len(read_done_ids(out)) == written and out.read_text().endswith("\n")
     regenerate(target, convs, out, **(GEN | {"batch_size": 1}))
     records = read_jsonl(out)
     assert sorted(r["id"] for r in records) == sorted(c.id for c in convs)
     assert {r["id"]: r for r in records} == {r["id"]: r for r in reference}
 
     before = out.read_text()
-    monkeypatch.setattr(regenerate_module, "generate_batch", None)  # a finished file needs no generation at all
+    monkeypatch.setattr(StreamDecoder, "__init__", None)  # a finished file needs no generation at all
     regenerate(target, convs, out, **GEN)
     assert out.read_text() == before
 

@@ -1,6 +1,7 @@
 """The transformers backend: the target as `load_target` loaded it, on its own device, one process.
 
-Generation is `draftsmith.backends.batch.generate_batch` (a left-padded batch whose finished rows leave it);
+Generation is `draftsmith.backends.batch.generate_batch` (a left-padded batch whose finished rows leave it; synthesis
+uses it, while regeneration drives `target` itself in rows that never drain, `backends/stream.py`);
 features are one `Target.forward` per sample (in a cast copy of the target with
 `backend_options: {dtype: ...}`) with pre-hooks on the chosen decoder layers (see `draftsmith.target`
 for the layer-id convention). Both are what the data and extract stages did before backends existed, so stores

@@ -5,10 +5,13 @@ turn wherever it had one, and after every user message not already answered (so 
 style `turns` becomes user/assistant pairs). Turns are written in order: turn i is generated from the conversation
 as regenerated so far, exactly as the target would see it at inference.
 
-Regeneration is the slowest data step, so it is batched (conversations of similar prompt length share a batch,
-left-padded) and resumable: each finished batch is appended to the output JSONL and fsynced; a re-run reads the ids
-already there, drops a torn last line, and generates only the rest. Each regenerated turn records
-`"truncated": true` when it was cut at `max_new_tokens` instead of ending with the target's EOS.
+Regeneration is the slowest data step. On transformers it runs in rows that never drain (`backends/stream.py`):
+a row that finishes a turn feeds the next prompt's new tokens, a row that finishes a conversation starts the next
+one (conversations start in order of first-prompt length, so the first prefill pads little); no step runs half
+empty. Engines that batch inside (vLLM) get one turn of a batch of conversations at a time instead. Resumable: each
+finished conversation (stream) or batch is appended to the output JSONL (fsynced every few seconds and at the
+end); a re-run reads the ids already there, drops a torn last line, and generates only the rest. Each regenerated
+turn records `"truncated": true` when it was cut at `max_new_tokens` instead of ending with the target's EOS.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +29,9 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
-from draftsmith.backends.batch import generate_batch
+from draftsmith.backends.batch import batched_attention, choose, generate_batch
+from draftsmith.backends.hf import TransformersBackend
+from draftsmith.backends.stream import StreamDecoder, streamable
 from draftsmith.data.sources import Conversation, Message
 from draftsmith.data.tokenize import render_chat
 from draftsmith.errors import ConfigError, DataError
@@ -36,6 +42,7 @@ if TYPE_CHECKING:
     from draftsmith.backends import Backend
 
 console = Console(stderr=True, soft_wrap=True)
+SYNC_SECONDS = 5.0  # regenerated conversations reach the disk (fsync) at least this often
 
 
 def regenerate(
@@ -76,20 +83,37 @@ def regenerate(
 
     stats = _Stats()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    engine = backend.target if isinstance(backend, TransformersBackend) else target if backend is None else None
     with (
         progress_bar(*columns, console=console, disable=not progress) as bar,
         out_path.open("a", encoding="utf-8") as out,
     ):
         task = bar.add_task("regenerate", total=len(conversations), completed=len(conversations) - len(pending))
-        for start in range(0, len(pending), batch_size):
-            ids = pending[start : start + batch_size]
-            batch_seed = _batch_seed(seed, ids)
-            torch.manual_seed(batch_seed)
-            records = _regenerate_batch(target, ids, plans, temperature, max_new_tokens, stats, backend, batch_seed)
-            out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-            out.flush()
+        if pending and engine is not None and streamable(engine.model):
+            synced = time.monotonic()
+
+            def write(record: dict) -> None:
+                nonlocal synced
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out.flush()
+                if time.monotonic() - synced > SYNC_SECONDS:
+                    os.fsync(out.fileno())
+                    synced = time.monotonic()
+                bar.update(task, advance=1, description=f"regenerate ({stats.tokens_per_s:.0f} tokens/s)")
+
+            torch.manual_seed(_batch_seed(seed, pending))
+            _regenerate_stream(engine, pending, plans, temperature, max_new_tokens, batch_size, stats, write)
             os.fsync(out.fileno())
-            bar.update(task, advance=len(ids), description=f"regenerate ({stats.tokens_per_s:.0f} tokens/s)")
+        else:  # an engine of its own (vLLM) batches inside: hand it one turn of a batch of conversations at a time
+            for start in range(0, len(pending), batch_size):
+                ids = pending[start : start + batch_size]
+                batch_seed = _batch_seed(seed, ids)
+                torch.manual_seed(batch_seed)
+                records = _regenerate_batch(target, ids, plans, temperature, max_new_tokens, stats, backend, batch_seed)
+                out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+                out.flush()
+                os.fsync(out.fileno())
+                bar.update(task, advance=len(ids), description=f"regenerate ({stats.tokens_per_s:.0f} tokens/s)")
     if pending:
         console.print(
             f"regenerated {len(pending)} conversations ({stats.turns} turns, {stats.truncated} cut at "
@@ -214,6 +238,120 @@ def _regenerate_batch(
             stats.truncated += not ended
         active = waiting
     return [{"id": cid, "messages": written[cid]} for cid in ids]
+
+
+class _Job:
+    """One conversation in a stream row: its turns so far, the reply in progress, the tokens the row has fed since it
+    last restarted (what its KV cache holds) and the tokens it must feed before it writes again."""
+
+    def __init__(self, cid: str, plan: list[Message | None]) -> None:
+        self.cid, self.plan, self.at = cid, plan, 0
+        self.messages: list[dict] = []
+        self.reply: list[int] = []
+        self.fed: list[int] = []
+        self.forced: deque[int] = deque()
+
+    def next_prompt(self, target: Target, max_new_tokens: int, stats: _Stats) -> list[int] | None:
+        """The prompt of the next assistant turn (the plan's messages before it copied in), or None when the
+        conversation is done or its next prompt would not fit the context (counted in `stats.cut`)."""
+        while self.at < len(self.plan) and self.plan[self.at] is not None:
+            self.messages.append(dict(self.plan[self.at]))
+            self.at += 1
+        if self.at == len(self.plan):
+            return None
+        prompt = _encode_prompt(target, self.messages)
+        if len(prompt) + max_new_tokens > target.context_length:
+            stats.cut += 1  # a later turn outgrew the context: keep the turns written so far
+            return None
+        return prompt
+
+    def end_turn(self, target: Target, ended: bool, stats: _Stats) -> None:
+        text = target.tokenizer.decode(self.reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        self.messages.append({"role": "assistant", "content": text, "truncated": not ended})
+        self.at += 1
+        stats.tokens += len(self.reply) + ended
+        stats.turns += 1
+        stats.truncated += not ended
+        self.reply = []
+
+    def feed(self) -> int:
+        token = self.forced.popleft()
+        self.fed.append(token)
+        return token
+
+
+def _regenerate_stream(
+    target: Target,
+    pending: list[str],
+    plans: dict[str, list[Message | None]],
+    temperature: float,
+    max_new_tokens: int,
+    batch_size: int,
+    stats: _Stats,
+    write: Callable[[dict], None],
+) -> None:
+    """Regenerate `pending` in `batch_size` rows that never drain (`StreamDecoder`), `write`-ing each conversation
+    as it ends. A row that finishes a turn feeds only the next prompt's new tokens (the template and the next user
+    message) when that prompt extends what the row holds, else restarts with the whole prompt; a row that finishes a
+    conversation starts the next one. Either way each turn is written from exactly the tokens `_regenerate_batch`
+    would prompt it with."""
+    queue = deque(pending)
+
+    def next_job() -> _Job | None:
+        while queue:
+            job = _Job(queue[0], plans[queue.popleft()])
+            prompt = job.next_prompt(target, max_new_tokens, stats)
+            if prompt is not None:
+                job.forced.extend(prompt)
+                return job
+            write({"id": job.cid, "messages": job.messages})
+        return None
+
+    jobs = [job for job in (next_job() for _ in range(min(batch_size, len(queue)))) if job]
+    for job in jobs:  # the first prompts are prefilled together
+        job.fed, job.forced = list(job.forced), deque()
+    stop_ids = target.eos_token_ids
+    began = time.perf_counter()
+    with torch.inference_mode(), batched_attention(target.model):
+        decoder = StreamDecoder(target, [job.fed for job in jobs], max(len(job.fed) for job in jobs) + max_new_tokens)
+        while jobs:
+            writing = [i for i, job in enumerate(jobs) if not job.forced]
+            chosen = dict(zip(writing, choose(decoder.logits[writing], temperature).tolist(), strict=True))
+            rows, live, feed, restart = [], [], [], []
+            for i, job in enumerate(jobs):
+                if i in chosen:
+                    token = chosen[i]
+                    ended = token in stop_ids
+                    if not ended:
+                        job.reply.append(token)
+                    if not ended and len(job.reply) < max_new_tokens:
+                        job.forced.append(token)
+                    else:
+                        held = job.fed
+                        job.end_turn(target, ended, stats)
+                        prompt = job.next_prompt(target, max_new_tokens, stats)
+                        if prompt is None:  # the conversation is done: the row takes the next one, if any
+                            write({"id": job.cid, "messages": job.messages})
+                            job = next_job()
+                            if job is None:
+                                continue
+                            restart.append(len(live))
+                        elif len(prompt) > len(held) and prompt[: len(held)] == held:
+                            job.forced.extend(prompt[len(held) :])
+                        else:  # the history re-tokenises differently: feed it whole from a fresh start
+                            job.fed, job.forced = [], deque(prompt)
+                            restart.append(len(live))
+                rows.append(i)
+                live.append(job)
+                feed.append(job.feed())
+            stats.seconds = time.perf_counter() - began
+            if not live:
+                break
+            if len(live) < len(jobs):
+                decoder.keep(rows)
+            jobs = live
+            decoder.step(feed, restart)
+    stats.seconds = time.perf_counter() - began
 
 
 def read_done_ids(path: Path) -> set[str]:
