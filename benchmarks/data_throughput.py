@@ -3,11 +3,11 @@
 The measurements in one run, on the same prompts and the same (packed) target:
 
 - prefill: one forward (no cache, `logits_to_keep=1`) over batches of the regenerated prompt+answer rows, sorted
-  by length so little padding is computed. The upper bound: every weight read once serves a whole batch of tokens.
+  by length so little padding is computed, with the data stage's attention (`batched_attention`). The upper bound: every weight read once serves a whole batch of tokens.
 - regeneration: `draftsmith.data.regenerate.regenerate` (the `draftsmith data --regenerate` code path, greedy) over
   the prompts at `--batch-size`: rows that never drain (`backends/stream.py`); tokens/s counts every token the
   target wrote, stop tokens included (re-tokenised from the output).
-- regeneration, turn batches: the same through the path of engines that batch inside (one batched generate per
+- regeneration (turn batches): the same through the path of engines that batch inside (one batched generate per
   turn, rows leaving as they finish), as regeneration ran on transformers before the stream.
 - self-chat: `draftsmith.data.selfchat.self_chat` (the `draftsmith data --self-chat` code path: the target writes
   both sides of multi-turn chats in a batch that never drains) for as many chats as prompts, `--chat-length`
@@ -18,7 +18,7 @@ The measurements in one run, on the same prompts and the same (packed) target:
   conversations; tokens/s counts prompt and answer tokens. The target's fingerprint is computed once up front,
   as the stage computes it once per store.
 
-Each measurement runs `--repeats` times, interleaved (the order rotates every round) after one warm-up of each,
+Each measurement runs `--repeats` times, interleaved (the order rotates every round) after warm-ups,
 so the noise of a shared machine hits all of them alike; medians are printed with the number of runs. Regeneration
 must write the same tokens every run (greedy). The script prints a measurement and always exits 0; measure on a
 quiet machine (`../shared/tools/quiet`).
@@ -48,7 +48,7 @@ from draftsmith.pipeline import load_pipeline
 from draftsmith.store import Recording, default_aux_layers, extract
 from draftsmith.target import Target, load_target
 
-ARMS = ("prefill", "regeneration", "regeneration, turn batches", "self-chat", "self-chat recorded", "extraction")
+ARMS = ("prefill", "regeneration", "regeneration (turn batches)", "self-chat", "self-chat recorded", "extraction")
 PROMPT_FILES = ("mt_bench_questions.jsonl", "gsm8k_test.jsonl")  # first turns of each, alternating
 
 
@@ -70,13 +70,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_prompts(data_dir: Path | None, n: int) -> tuple[str, list[Conversation]]:
-    """First turns of MT-bench and GSM8K alternating when the data folder has them, else the builtin prompts."""
+    """First turns of MT-bench and GSM8K alternating when the data folder has them (GSM8K alone once MT-bench's 80
+    run out), else the builtin prompts."""
     files = [Path(data_dir) / name for name in PROMPT_FILES] if data_dir else []
     if files and all(f.is_file() for f in files):
-        lists = [load_eval_prompts(str(f), limit=n)[1] for f in files]
-        mixed = [c for group in zip(*lists, strict=False) for c in group][:n]
-        if len(mixed) == n:
-            return " + ".join(f.name for f in files), mixed
+        mt_bench, gsm8k = (load_eval_prompts(str(f), limit=n)[1] for f in files)
+        mixed = [c for pair in zip(mt_bench, gsm8k, strict=False) for c in pair] + gsm8k[len(mt_bench) :]
+        if len(mixed) >= n:
+            return " + ".join(f.name for f in files), mixed[:n]
     _, builtin = load_eval_prompts("builtin")
     return "builtin", [builtin[i % len(builtin)] for i in range(n)]  # repeated when n exceeds the 60 builtins
 
@@ -182,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         record = Recording(fingerprint, default_aux_layers(target.num_layers), "transformers")
         warm_ups = {
             "prefill": lambda: run_prefill(target, rows[: args.batch_size], args.batch_size),
-            "regeneration, turn batches": lambda: run_regenerate(target, convs[: args.batch_size], args, work, True),
             "extraction": lambda: run_extract(target, samples[:2], args, work),
             "self-chat": lambda: run_self_chat(target, 2, args, work),
             "self-chat recorded": lambda: run_self_chat(target, 2, args, work, record),
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "prefill":
                     tokens, seconds = run_prefill(target, rows, args.batch_size)
                 elif name.startswith("regeneration"):
-                    tokens, seconds, again = run_regenerate(target, convs, args, work, name.endswith("batches"))
+                    tokens, seconds, again = run_regenerate(target, convs, args, work, name.endswith("batches)"))
                     identical += again == text
                 elif name.startswith("self-chat"):
                     recording = record if name.endswith("recorded") else None
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, value in median.items():
         print(f"{name:<26} {value:8.1f} tokens/s  (median of {len(rates[name])} runs)")
-    for name in ("regeneration", "regeneration, turn batches", "self-chat", "extraction"):
+    for name in ("regeneration", "regeneration (turn batches)", "self-chat", "extraction"):
         if name in median and "prefill" in median:
             print(f"{name + ' / prefill':<40} = {median[name] / median['prefill']:.2f}")
     if {"self-chat", "extraction", "self-chat recorded"} <= set(median):
