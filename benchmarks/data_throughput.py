@@ -3,7 +3,8 @@
 The measurements in one run, on the same prompts and the same (packed) target:
 
 - prefill: one forward (no cache, `logits_to_keep=1`) over batches of the regenerated prompt+answer rows, sorted
-  by length so little padding is computed, with the data stage's attention (`batched_attention`). The upper bound: every weight read once serves a whole batch of tokens.
+  by length so little padding is computed, with the data stage's attention (`batched_attention`). The upper
+  bound: every weight read once serves a whole batch of tokens.
 - regeneration: `draftsmith.data.regenerate.regenerate` (the `draftsmith data --regenerate` code path, greedy) over
   the prompts at `--batch-size`: rows that never drain (`backends/stream.py`); tokens/s counts every token the
   target wrote, stop tokens included (re-tokenised from the output).

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.backends.hf import TransformersBackend
-from draftsmith.data.selfchat import recorded_dir, self_chat
+from draftsmith.data.regenerate import recorded_dir
+from draftsmith.data.selfchat import self_chat
 from draftsmith.data.tokenize import tokenize_conversation
 from draftsmith.store import RecordedFeatures, Recording, default_aux_layers, engine_label
 from draftsmith.target import load_target

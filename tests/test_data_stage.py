@@ -13,12 +13,13 @@ from draftsmith.backends.stream import StreamDecoder
 from draftsmith.data import regenerate as regenerate_module
 from draftsmith.data import stage as stage_module
 from draftsmith.data import synth as synth_module
-from draftsmith.data.regenerate import read_done_ids, regenerate
+from draftsmith.data.regenerate import read_done_ids, recorded_dir, regenerate
 from draftsmith.data.sources import Conversation, load_eval_prompts
 from draftsmith.data.stage import build_dataset
 from draftsmith.data.synth import pre_query, synthesize_prompts
-from draftsmith.data.tokenize import render_chat
+from draftsmith.data.tokenize import render_chat, tokenize_conversation
 from draftsmith.errors import ConfigError, DataError
+from draftsmith.store import RecordedFeatures, Recording, default_aux_layers
 from tests.conftest import tiny_target
 
 GEN = {"temperature": 0.0, "max_new_tokens": 6, "batch_size": 4, "seed": 0, "progress": False}
@@ -154,17 +155,24 @@ def test_stream_writes_what_turn_by_turn_batches_write(tmp_path, monkeypatch, re
 
 
 def test_smollm2_stream_writes_what_turn_by_turn_batches_write(smollm2, tmp_path):
-    """The real tokenizer and chat template: later turns extend the row's tokens, and the text of every turn is the
-    turn-by-turn batches' (which a test above holds to `model.generate`)."""
+    """The real tokenizer and chat template: the text of every turn is the turn-by-turn batches' (which a test above
+    holds to `model.generate`), and the recorded tokens and loss mask are `tokenize`'s."""
     _, builtin = load_eval_prompts("builtin")
     convs = [
         Conversation(c.id, c.messages + [user("And in one sentence?")] * (i % 2)) for i, c in enumerate(builtin[:6])
     ]
     options = GEN | {"batch_size": 4, "max_new_tokens": 12}
-    stream = read_jsonl(regenerate(smollm2, convs, tmp_path / "stream.jsonl", **options))
+    record = Recording(smollm2.fingerprint(), default_aux_layers(smollm2.num_layers), "transformers")
+    out = regenerate(smollm2, convs, tmp_path / "stream.jsonl", record=record, **options)
+    stream = read_jsonl(out)
     turns = read_jsonl(regenerate(smollm2, convs, tmp_path / "turns.jsonl", backend=TurnBatches(smollm2), **options))
     assert {r["id"]: r for r in stream} == {r["id"]: r for r in turns}
     assert sum(m["role"] == "assistant" for r in stream for m in r["messages"]) == 9
+    recorded = RecordedFeatures(recorded_dir(out))  # what the rows fed is what `tokenize` reads, but the last "\n"
+    for r in stream:
+        ids, mask = recorded.sample(r["id"])
+        written, learned = tokenize_conversation(smollm2.tokenizer, r["messages"], 2048)
+        assert (ids, mask) == (written[: len(ids)], learned[: len(ids)]) and len(written) - len(ids) == 1
 
 
 def test_resume_after_a_crash_writes_every_id_exactly_once(tmp_path, monkeypatch):

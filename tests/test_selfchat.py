@@ -10,7 +10,10 @@ from transformers import PreTrainedTokenizerFast
 from draftsmith import stages
 from draftsmith.backends.batch import generate_batch
 from draftsmith.backends.hf import TransformersBackend
-from draftsmith.data.selfchat import FOLLOW_UPS, Template, recorded_dir, self_chat
+from draftsmith.backends.stream import StreamDecoder
+from draftsmith.data.regenerate import recorded_dir, regenerate
+from draftsmith.data.selfchat import FOLLOW_UPS, Template, self_chat
+from draftsmith.data.sources import Conversation
 from draftsmith.data.stage import build_dataset, load_stage_conversations
 from draftsmith.data.tokenize import tokenize_conversation
 from draftsmith.errors import ConfigError, DataError
@@ -203,17 +206,66 @@ def test_recorded_states_are_the_targets_own_for_exactly_the_tokens_it_wrote(tmp
     assert not recorded.index and refusal.startswith("2 files of recorded features not used")
 
 
+TEMPLATE = (
+    "{% for m in messages %}w02 {{ m['role'] }} {{ m['content'] }} w01 {% endfor %}"
+    "{% if add_generation_prompt %}w02 assistant {% endif %}"
+)  # turns that end with the target's stop token, so a written turn reads back as the tokens the row fed
+
+
+def test_regeneration_records_the_states_of_every_token_the_target_read(tmp_path, monkeypatch):
+    """Rows that never drain record as they go: a regenerated conversation's states equal a fresh forward over its
+    tokens, which with their loss mask are what `tokenize` makes of the written messages (the stop token a reply
+    ended with is the template's turn end, as served); later turns extend the row; files are written a group at a
+    time."""
+    target = chat_target(seed=4)
+    target.tokenizer.chat_template = TEMPLATE
+    layers = default_aux_layers(target.num_layers)
+    record = Recording(target.fingerprint(), layers, "transformers")
+    words = lambda i: " ".join(f"w{10 + (i * 7 + j) % 80}" for j in range(2 + i % 4))  # noqa: E731
+    follow_up = [{"role": "user", "content": "w33 w44"}]
+    convs = [Conversation(f"c{i}", [{"role": "user", "content": words(i)}] + follow_up * (i % 2)) for i in range(7)]
+    target.eos_token_ids = {1} | set(range(40, 60))  # stop tokens besides the template's turn end (w01)
+    options = {"temperature": 0.0, "max_new_tokens": 6, "batch_size": 3, "seed": 0, "progress": False}
+    restarts = []
+    step = StreamDecoder.step
+    monkeypatch.setattr(
+        StreamDecoder, "step", lambda self, tokens, restart=(): restarts.extend(restart) or step(self, tokens, restart)
+    )
+    out = regenerate(target, convs, tmp_path / "regenerated.jsonl", record=record, **options)
+    monkeypatch.undo()
+    (tmp_path / "plain").mkdir()
+    plain = regenerate(target, convs, tmp_path / "plain" / "regenerated.jsonl", **options)
+    assert out.read_text() == plain.read_text() and not recorded_dir(plain).exists()
+    assert len(restarts) == len(convs) - 3  # new conversations only: every later turn extended its row
+    assert sorted(p.name for p in recorded_dir(out).iterdir()) == [
+        "part-0000000.safetensors", "part-0000003.safetensors", "part-0000006.safetensors"
+    ]  # fmt: skip
+    recorded = RecordedFeatures(recorded_dir(out))
+    for conv in chats(out):
+        ids, mask = recorded.sample(conv["id"])
+        written, learned = tokenize_conversation(target.tokenizer, conv["messages"], 1000)
+        assert (ids, mask) == (written, learned)
+        fresh = target.forward(torch.tensor(ids), target.new_cache(), layers, logits_to_keep=1, last_hidden=True)
+        aux, last = recorded.features(conv["id"], torch.tensor(ids, dtype=torch.int32))
+        torch.testing.assert_close(aux, fresh.aux_hidden, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(last, fresh.last_hidden, atol=1e-4, rtol=1e-4)
+    replies = [m for c in chats(out) for m in c["messages"] if m["role"] == "assistant"]
+    assert len(replies) == 10 and 0 < sum(m["truncated"] for m in replies) < 10  # stopped and cut replies
+
+
 def test_extract_copies_recorded_states_and_stores_what_a_second_pass_would(tmp_path, monkeypatch):
-    """The data stage records, extract copies: no forward over a recorded chat, the regenerated conversations are
-    computed as before, and the store equals one extracted the old way. A store asking for other layers computes."""
+    """The data stage records, extract copies: no forward over a recorded self-chat or regenerated conversation,
+    and the store equals one extracted the old way. A store asking for other layers computes."""
     target = chat_target(seed=6)
+    target.tokenizer.chat_template = TEMPLATE
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "w05 w06 w07"}\n{"prompt": "w08 w09"}\n')
     options = {"target": target, "regenerate": True, "self_chat": 3, "self_chat_length": 40, "max_new_tokens": 6,
                "batch_size": 2}  # fmt: skip
     recorded_dir = build_dataset([str(prompts)], tmp_path / "rec", record_features=True, **options)
     plain_dir = build_dataset([str(prompts)], tmp_path / "plain", **options)
-    assert (recorded_dir / "chat.jsonl").read_text() == (plain_dir / "chat.jsonl").read_text()
+    for name in ("chat.jsonl", "regenerated.jsonl"):
+        assert (recorded_dir / name).read_text() == (plain_dir / name).read_text()
     assert json.loads((recorded_dir / "manifest.json").read_text())["config"]["record_features"] is True
 
     computed = []
@@ -225,19 +277,20 @@ def test_extract_copies_recorded_states_and_stores_what_a_second_pass_would(tmp_
 
     monkeypatch.setattr(TransformersBackend, "features", counted)
     copied = HiddenStateStore(stages.extract(ExtractConfig(dtype="float32"), recorded_dir, tmp_path / "s1", target))
-    assert len(computed) == 2 and copied.manifest["recorded_samples"] == 3  # only the two regenerated
+    assert not computed and copied.manifest["recorded_samples"] == 5
     again = HiddenStateStore(stages.extract(ExtractConfig(dtype="float32"), plain_dir, tmp_path / "s2", target))
-    assert len(computed) == 2 + 5
+    assert len(computed) == 5
     assert len(copied) == len(again) == 5
-    for i in range(5):  # a recorded chat also keeps the turn it was writing when its length ran out
-        a, b = copied[i], again[i]
-        n = len(b["input_ids"])
-        assert copied.sample_id(i) == again.sample_id(i) and len(a["input_ids"]) >= n
-        assert torch.equal(a["input_ids"][:n], b["input_ids"]) and torch.equal(a["loss_mask"][:n], b["loss_mask"])
-        torch.testing.assert_close(a["aux_hidden"][:n], b["aux_hidden"], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(a["last_hidden"][:n], b["last_hidden"], atol=1e-4, rtol=1e-4)
+    for i in range(5):  # a chat cut by its length was fed up to its last token but one (`tokenize` adds that token
+        a, b = copied[i], again[i]  # and the turn end after it)
+        n = min(len(a["input_ids"]), len(b["input_ids"]))
+        assert copied.sample_id(i) == again.sample_id(i) and n >= len(b["input_ids"]) - 2
+        assert torch.equal(a["input_ids"][:n], b["input_ids"][:n])
+        assert torch.equal(a["loss_mask"][:n], b["loss_mask"][:n])
+        torch.testing.assert_close(a["aux_hidden"][:n], b["aux_hidden"][:n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a["last_hidden"][:n], b["last_hidden"][:n], atol=1e-4, rtol=1e-4)
     other = stages.extract(ExtractConfig(dtype="float32", layers=(0, 1)), recorded_dir, tmp_path / "s3", target)
-    assert len(computed) == 2 + 5 + 5 and "recorded_samples" not in HiddenStateStore(other).manifest
+    assert len(computed) == 5 + 5 and "recorded_samples" not in HiddenStateStore(other).manifest
 
 
 def test_a_batch_recorded_but_not_yet_written_is_recorded_again_identically(tmp_path):

@@ -104,8 +104,8 @@ def data(cfg: DataConfig, out: Path, target: Target | None) -> Path:
 
 def extract(cfg: ExtractConfig, data_dir: Path, out: Path, target: Target) -> Path:
     from draftsmith.backends import get_backend
-    from draftsmith.data.selfchat import recorded_dir
-    from draftsmith.data.stage import CHATS, load_stage_conversations
+    from draftsmith.data.regenerate import recorded_dir
+    from draftsmith.data.stage import CHATS, REGENERATED, load_stage_conversations
     from draftsmith.data.tokenize import tokenize_dataset
     from draftsmith.store import RecordedFeatures
     from draftsmith.store import extract as run_extract
@@ -114,11 +114,12 @@ def extract(cfg: ExtractConfig, data_dir: Path, out: Path, target: Target) -> Pa
     conversations = load_stage_conversations(data_dir)
     backend = get_backend(cfg.backend, target, cfg.backend_options)
     try:
-        folder = recorded_dir(Path(data_dir) / CHATS)  # the self-chats' states, when `data.record_features` kept them
-        recorded = RecordedFeatures(folder) if folder.is_dir() else None
+        # the states of self-chats and regenerated conversations, when `data.record_features` kept them
+        folders = [f for f in (recorded_dir(Path(data_dir) / name) for name in (CHATS, REGENERATED)) if f.is_dir()]
+        recorded = RecordedFeatures(*folders) if folders else None
         if recorded is None:
             samples = list(tokenize_dataset(target.tokenizer, conversations, cfg.max_length))
-        else:  # a recorded chat is stored as the target wrote it (its tokens); the rest are tokenised as usual
+        else:  # a recorded conversation is stored as the target read it (its tokens); the rest are tokenised as usual
             rest = [c for c in conversations if c.id not in recorded]
             tokenised = {s[0]: s for s in tokenize_dataset(target.tokenizer, rest, cfg.max_length)} if rest else {}
             samples = [

@@ -140,14 +140,14 @@ def write_recorded(path: Path, samples: Sequence[RecordedSample], recording: Rec
 
 
 class RecordedFeatures:
-    """The samples whose features a data stage recorded (`write_recorded` files in `folder`); `extract` keeps those
+    """The samples whose features a data stage recorded (`write_recorded` files in `folders`); `extract` keeps those
     made as it would compute them (`keep_only`) and copies them instead of running the target over them again."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, *folders: Path) -> None:
         self.index: dict[str, tuple[Path, int]] = {}
         self.made: dict[Path, Recording] = {}
         self._open: dict[Path, Any] = {}
-        for path in sorted(Path(folder).glob("*.safetensors")):
+        for path in (p for folder in folders for p in sorted(Path(folder).glob("*.safetensors"))):
             with safe_open(str(path), framework="pt") as f:
                 meta = _shard_metadata(f)
             layers = tuple(json.loads(meta.get("layer_ids", "[]")))

@@ -22,6 +22,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ from draftsmith.data.sources import Conversation, Message
 from draftsmith.data.tokenize import render_chat
 from draftsmith.errors import ConfigError, DataError
 from draftsmith.progress import progress_bar
+from draftsmith.store import RecordedSample, Recording, write_recorded
 from draftsmith.target import Target
 
 if TYPE_CHECKING:
@@ -56,10 +58,13 @@ def regenerate(
     seed: int,
     progress: bool = True,
     backend: Backend | None = None,
+    record: Recording | None = None,
 ) -> Path:
     """Write `out_path` (JSONL: {"id", "messages"}) with every assistant turn written by `target`; resumes.
 
-    `backend` runs the generation (default: `generate_batch` on `target`; see `draftsmith.backends`)."""
+    `backend` runs the generation (default: `target` itself; see `draftsmith.backends`). `record`: keep the hidden
+    states of every conversation as it is written, in `recorded_dir(out_path)`, for `extract` to copy (the stream
+    only: an engine of its own does not hand them out)."""
     if batch_size < 1 or max_new_tokens < 1:
         raise ConfigError(
             f"batch_size and max_new_tokens must be at least 1, found {batch_size} and {max_new_tokens}",
@@ -90,20 +95,15 @@ def regenerate(
     ):
         task = bar.add_task("regenerate", total=len(conversations), completed=len(conversations) - len(pending))
         if pending and engine is not None and streamable(engine.model):
-            synced = time.monotonic()
 
-            def write(record: dict) -> None:
-                nonlocal synced
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                out.flush()
-                if time.monotonic() - synced > SYNC_SECONDS:
-                    os.fsync(out.fileno())
-                    synced = time.monotonic()
+            def advance() -> None:
                 bar.update(task, advance=1, description=f"regenerate ({stats.tokens_per_s:.0f} tokens/s)")
 
-            torch.manual_seed(_batch_seed(seed, pending))
-            _regenerate_stream(engine, pending, plans, temperature, max_new_tokens, batch_size, stats, write)
-            os.fsync(out.fileno())
+            with _Output(out, len(done), batch_size, recorded_dir(out_path), record, advance) as output:
+                torch.manual_seed(_batch_seed(seed, pending))
+                _regenerate_stream(
+                    engine, pending, plans, temperature, max_new_tokens, batch_size, stats, output.add, record
+                )  # fmt: skip
         else:  # an engine of its own (vLLM) batches inside: hand it one turn of a batch of conversations at a time
             for start in range(0, len(pending), batch_size):
                 ids = pending[start : start + batch_size]
@@ -177,8 +177,8 @@ def _prompt_len(target: Target, history: list[Message]) -> int:
     return len(_encode_prompt(target, history))
 
 
-def _encode_prompt(target: Target, history: list[Message]) -> list[int]:
-    text = render_chat(target.tokenizer, history, add_generation_prompt=True)
+def _encode_prompt(target: Target, history: list[Message], generation_prompt: bool = True) -> list[int]:
+    text = render_chat(target.tokenizer, history, add_generation_prompt=generation_prompt)
     return target.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -240,16 +240,66 @@ def _regenerate_batch(
     return [{"id": cid, "messages": written[cid]} for cid in ids]
 
 
+class _Output:
+    """Finished conversations on their way to `out`: appended one by one (fsynced every `SYNC_SECONDS` and at the
+    end), or with `record`, in groups whose states file is written first (`write_recorded`, named by the group's
+    first line in `out`), so a conversation on disk always has its states on disk; a crash loses at most a group."""
+
+    def __init__(
+        self, out, written: int, group: int, folder: Path, record: Recording | None, advance: Callable
+    ) -> None:
+        self.out, self.written, self.group, self.folder, self.record, self.advance = (
+            out, written, group, folder, record, advance
+        )  # fmt: skip
+        self.pending: list[tuple[dict, RecordedSample | None]] = []
+        self.synced = time.monotonic()
+
+    def __enter__(self) -> _Output:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.flush()
+        os.fsync(self.out.fileno())
+
+    def add(self, record: dict, sample: RecordedSample | None) -> None:
+        self.pending.append((record, sample))
+        if self.record is None or len(self.pending) >= self.group:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        samples = [sample for _, sample in self.pending if sample is not None]
+        if samples:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_recorded(self.folder / f"part-{self.written:07d}.safetensors", samples, self.record)
+        self.out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r, _ in self.pending))
+        self.out.flush()
+        if self.record is not None or time.monotonic() - self.synced > SYNC_SECONDS:
+            os.fsync(self.out.fileno())
+            self.synced = time.monotonic()
+        for _ in self.pending:
+            self.advance()
+        self.written += len(self.pending)
+        self.pending = []
+
+
 class _Job:
     """One conversation in a stream row: its turns so far, the reply in progress, the tokens the row has fed since it
-    last restarted (what its KV cache holds) and the tokens it must feed before it writes again."""
+    last restarted (what its KV cache holds: with their loss mask and, when recording, their states) and the tokens
+    it must feed before it writes again (each with its loss-mask bit)."""
 
     def __init__(self, cid: str, plan: list[Message | None]) -> None:
         self.cid, self.plan, self.at = cid, plan, 0
         self.messages: list[dict] = []
         self.reply: list[int] = []
         self.fed: list[int] = []
-        self.forced: deque[int] = deque()
+        self.mask: list[int] = []
+        self.forced: deque[tuple[int, int]] = deque()
+        self.states: list[tuple[torch.Tensor, torch.Tensor]] = []  # (aux, last) of the fed tokens, in chunks
+        self.recordable = True  # False once the row restarted on a re-tokenised history (its mask is not ours)
+        self.done = False
 
     def next_prompt(self, target: Target, max_new_tokens: int, stats: _Stats) -> list[int] | None:
         """The prompt of the next assistant turn (the plan's messages before it copied in), or None when the
@@ -265,7 +315,22 @@ class _Job:
             return None
         return prompt
 
-    def end_turn(self, target: Target, ended: bool, stats: _Stats) -> None:
+    def write(self, token: int, stop_ids: set[int], max_new_tokens: int) -> bool:
+        """Whether the turn goes on: `token` joins the reply (and is fed next) unless it is a stop token; False when
+        the turn is over (a stop token, or the reply is `max_new_tokens` long with it)."""
+        if token in stop_ids:
+            return False
+        self.reply.append(token)
+        if len(self.reply) < max_new_tokens:
+            self.forced.append((token, 1))
+            return True
+        return False
+
+    def turn_over(self, target: Target, token: int, max_new_tokens: int, stats: _Stats, record: bool) -> bool:
+        """The turn ended at `token` (a stop token, or the reply's last): note it and queue what the row feeds next:
+        the next prompt's new tokens, or the whole prompt when the history re-tokenises differently (True: the row
+        must restart). When the conversation is over (`done`) and `record`, the tokens that end the last reply."""
+        ended = token in target.eos_token_ids
         text = target.tokenizer.decode(self.reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         self.messages.append({"role": "assistant", "content": text, "truncated": not ended})
         self.at += 1
@@ -273,11 +338,35 @@ class _Job:
         stats.turns += 1
         stats.truncated += not ended
         self.reply = []
+        prompt = self.next_prompt(target, max_new_tokens, stats)
+        self.done = prompt is None
+        following = _encode_prompt(target, self.messages, False) if self.done and record else prompt
+        if following is None:
+            return False
+        held, learned = self.fed, 1 + (not ended)  # the reply's last token when not fed yet, the turn's end token
+        if len(following) > len(held) and following[: len(held)] == held:
+            tail = following[len(held) :][: learned if self.done else None]
+            self.forced.extend((t, int(k < learned)) for k, t in enumerate(tail))
+            return False
+        if self.done:  # the end re-tokenises differently: the states stop at the last token fed
+            return False
+        self.fed, self.mask, self.states, self.recordable = [], [], [], False
+        self.forced = deque((t, 0) for t in prompt)
+        return True
 
     def feed(self) -> int:
-        token = self.forced.popleft()
+        token, learned = self.forced.popleft()
         self.fed.append(token)
+        self.mask.append(learned)
         return token
+
+    def sample(self) -> RecordedSample | None:
+        """(id, tokens, loss mask, aux, last) of everything the row fed for this conversation, when recorded."""
+        if not (self.states and self.recordable):
+            return None
+        aux, last = (torch.cat(parts) for parts in zip(*self.states, strict=True))
+        ids, mask = torch.tensor(self.fed, dtype=torch.int32), torch.tensor(self.mask, dtype=torch.uint8)
+        return self.cid, ids, mask, aux, last
 
 
 def _regenerate_stream(
@@ -288,13 +377,18 @@ def _regenerate_stream(
     max_new_tokens: int,
     batch_size: int,
     stats: _Stats,
-    write: Callable[[dict], None],
+    finish: Callable[[dict, RecordedSample | None], None],
+    record: Recording | None = None,
 ) -> None:
-    """Regenerate `pending` in `batch_size` rows that never drain (`StreamDecoder`), `write`-ing each conversation
-    as it ends. A row that finishes a turn feeds only the next prompt's new tokens (the template and the next user
-    message) when that prompt extends what the row holds, else restarts with the whole prompt; a row that finishes a
-    conversation starts the next one. Either way each turn is written from exactly the tokens `_regenerate_batch`
-    would prompt it with."""
+    """Regenerate `pending` in `batch_size` rows that never drain (`StreamDecoder`), handing each conversation to
+    `finish` as it ends. A row that finishes a turn feeds only the next prompt's new tokens (the template and the
+    next user message) when that prompt extends what the row holds, else restarts with the whole prompt; a row that
+    finishes a conversation starts the next one. Either way each turn is written from exactly the tokens
+    `_regenerate_batch` would prompt it with.
+
+    `record`: the states of every fed token are kept per conversation (`Target.recording`), with the loss mask
+    `tokenize` gives (reply tokens and the token after each reply); the row also feeds the tokens that end the
+    last reply, so the recorded conversation is `tokenize`'s up to its last learned token."""
     queue = deque(pending)
 
     def next_job() -> _Job | None:
@@ -302,45 +396,36 @@ def _regenerate_stream(
             job = _Job(queue[0], plans[queue.popleft()])
             prompt = job.next_prompt(target, max_new_tokens, stats)
             if prompt is not None:
-                job.forced.extend(prompt)
+                job.forced.extend((t, 0) for t in prompt)
                 return job
-            write({"id": job.cid, "messages": job.messages})
+            finish({"id": job.cid, "messages": job.messages}, None)
         return None
 
     jobs = [job for job in (next_job() for _ in range(min(batch_size, len(queue)))) if job]
-    for job in jobs:  # the first prompts are prefilled together
-        job.fed, job.forced = list(job.forced), deque()
-    stop_ids = target.eos_token_ids
+    if not jobs:
+        return
+    first = [[job.feed() for _ in range(len(job.forced))] for job in jobs]  # prefilled together
+    recording = target.recording(record.layer_ids) if record else nullcontext([])
     began = time.perf_counter()
-    with torch.inference_mode(), batched_attention(target.model):
-        decoder = StreamDecoder(target, [job.fed for job in jobs], max(len(job.fed) for job in jobs) + max_new_tokens)
+    with torch.inference_mode(), batched_attention(target.model), recording as states:
+        decoder = StreamDecoder(target, first, max(map(len, first)) + max_new_tokens)
+        if states:  # the prefill's, each row's after its left padding
+            for job, prompt, aux, last in zip(jobs, first, *states[0], strict=True):
+                job.states.append((aux[-len(prompt) :], last[-len(prompt) :]))
         while jobs:
-            writing = [i for i, job in enumerate(jobs) if not job.forced]
+            writing = [i for i, job in enumerate(jobs) if not (job.forced or job.done)]
             chosen = dict(zip(writing, choose(decoder.logits[writing], temperature).tolist(), strict=True))
             rows, live, feed, restart = [], [], [], []
             for i, job in enumerate(jobs):
-                if i in chosen:
-                    token = chosen[i]
-                    ended = token in stop_ids
-                    if not ended:
-                        job.reply.append(token)
-                    if not ended and len(job.reply) < max_new_tokens:
-                        job.forced.append(token)
-                    else:
-                        held = job.fed
-                        job.end_turn(target, ended, stats)
-                        prompt = job.next_prompt(target, max_new_tokens, stats)
-                        if prompt is None:  # the conversation is done: the row takes the next one, if any
-                            write({"id": job.cid, "messages": job.messages})
-                            job = next_job()
-                            if job is None:
-                                continue
-                            restart.append(len(live))
-                        elif len(prompt) > len(held) and prompt[: len(held)] == held:
-                            job.forced.extend(prompt[len(held) :])
-                        else:  # the history re-tokenises differently: feed it whole from a fresh start
-                            job.fed, job.forced = [], deque(prompt)
-                            restart.append(len(live))
+                fresh = i in chosen and not job.write(chosen[i], target.eos_token_ids, max_new_tokens)
+                fresh = fresh and job.turn_over(target, chosen[i], max_new_tokens, stats, record is not None)
+                if job.done and not job.forced:  # the conversation is over: the row takes the next one, if any
+                    finish({"id": job.cid, "messages": job.messages}, job.sample())
+                    job = next_job()
+                    if job is None:
+                        continue
+                    fresh = True
+                restart += [len(live)] * fresh
                 rows.append(i)
                 live.append(job)
                 feed.append(job.feed())
@@ -350,8 +435,18 @@ def _regenerate_stream(
             if len(live) < len(jobs):
                 decoder.keep(rows)
             jobs = live
+            states.clear()
             decoder.step(feed, restart)
+            if states:
+                for job, aux, last in zip(jobs, *states[0], strict=True):
+                    job.states.append((aux, last))
     stats.seconds = time.perf_counter() - began
+
+
+def recorded_dir(path: Path) -> Path:
+    """Where the states recorded as the conversations in `path` were written live: `chat.features/` beside
+    `chat.jsonl` (`self_chat(..., record=...)`), `regenerated.features/` beside `regenerated.jsonl`."""
+    return Path(path).with_suffix(".features")
 
 
 def read_done_ids(path: Path) -> set[str]:

@@ -42,7 +42,7 @@ import torch
 from rich.console import Console
 
 from draftsmith.backends.batch import BatchDecoder, batched_attention, choose
-from draftsmith.data.regenerate import read_done_ids
+from draftsmith.data.regenerate import read_done_ids, recorded_dir
 from draftsmith.data.synth import KINDS, _passage_request, check_kinds
 from draftsmith.data.tokenize import render_chat
 from draftsmith.errors import ConfigError, TargetError
@@ -205,11 +205,6 @@ def self_chat(
     if seconds:
         console.print(f"self-chat: {tokens:.0f} tokens in {seconds:.1f}s = {tokens / seconds:.1f} tokens/s")
     return Path(out_path)
-
-
-def recorded_dir(chat_path: Path) -> Path:
-    """Where `self_chat(..., record=...)` keeps the states of the chats in `chat_path`: `chat.features/`."""
-    return Path(chat_path).with_suffix(".features")
 
 
 def _write_batch(

@@ -5,6 +5,7 @@ Writes into `out_dir`:
   regenerated.jsonl     with `regenerate`: the same conversations with target-written assistant turns (resumable)
   chat.jsonl            with `self_chat`: chats the target wrote both sides of (resumable)
   chat.features/        with `record_features`: their hidden states, recorded as they were written (for extract)
+  regenerated.features/ the same for the regenerated conversations (transformers only)
   manifest.json         stage "data": sources, counts, config, target, created time (atomic; "complete" at the end)
 
 Evaluation sets (builtin, mt_bench, humaneval, gsm8k by name) are refused: training on them would inflate every
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
     from draftsmith.backends import Backend
 
 _FILE_SUFFIXES = (".jsonl", ".json", ".gz")
-CHATS = "chat.jsonl"  # the self-chats; their recorded states beside them (`selfchat.recorded_dir`)
+CHATS = "chat.jsonl"  # the self-chats; their recorded states beside them (`regenerate.recorded_dir`)
+REGENERATED = "regenerated.jsonl"  # the same, for the regenerated conversations
 
 
 def build_dataset(
@@ -110,12 +112,12 @@ def build_dataset(
         # recorded only when not the default, so stores made before the setting existed still resume
         | ({"self_chat_user_temperature": self_chat_user_temperature} if self_chat_user_temperature != 1.0 else {})
         | ({"self_chat_loop_ngram": self_chat_loop_ngram} if self_chat_loop_ngram else {})
-        | ({"record_features": True} if record_features and self_chat > 0 else {})
+        | ({"record_features": True} if record_features and (self_chat > 0 or regenerate) else {})
         | ({"self_chat_minutes": self_chat_minutes} if self_chat_minutes is not None else {})
         | ({"skip": skip} if skip else {})
     )
     inputs = {"sources": list(sources), "config": config, "target": target.name if target else None}
-    conversations_path, regenerated_path = out_dir / "conversations.jsonl", out_dir / "regenerated.jsonl"
+    conversations_path, regenerated_path = out_dir / "conversations.jsonl", out_dir / REGENERATED
     chat_path = out_dir / CHATS
     manifest_path = out_dir / "manifest.json"
 
@@ -143,12 +145,14 @@ def build_dataset(
         write_atomic(conversations_path, "".join(_jsonl(c) for c in conversations))
         write_atomic(manifest_path, _manifest(inputs, counts, complete=False, backend=backend))
 
-    if self_chat > 0:  # self-chat drives the model itself: the transformers backend's, cast to its dtype if asked
-        engine = backend if isinstance(backend, TransformersBackend) else TransformersBackend(target)
-        record = None
-        if record_features:
-            layers = default_aux_layers(target.num_layers)
-            record = Recording(engine.target.fingerprint(), layers, engine_label(engine.describe()))
+    # Self-chat, and regeneration unless an engine of its own runs it, drive the model themselves: the transformers
+    # backend's, cast to its dtype if asked; with `record_features` they keep the states they compute.
+    engine = backend if isinstance(backend, TransformersBackend) else TransformersBackend(target) if target else None
+    record = None
+    if record_features and engine is not None:
+        layers = default_aux_layers(target.num_layers)
+        record = Recording(engine.target.fingerprint(), layers, engine_label(engine.describe()))
+    if self_chat > 0:
         write_self_chat(
             engine.target, self_chat, chat_path, seed=seed, length=self_chat_length, batch_size=batch_size,
             max_turn_tokens=max_new_tokens, temperature=temperature, user_temperature=self_chat_user_temperature,
@@ -157,15 +161,9 @@ def build_dataset(
         counts = counts | {"self_chat": sum(1 for _ in read_records(chat_path))}
     if regenerate and conversations:
         regenerate_conversations(
-            target,
-            conversations,
-            regenerated_path,
-            temperature=temperature,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-            seed=seed,
-            backend=backend,
-        )
+            target, conversations, regenerated_path, temperature=temperature, max_new_tokens=max_new_tokens,
+            batch_size=batch_size, seed=seed, backend=backend, record=record if backend in (None, engine) else None,
+        )  # fmt: skip
         counts = counts | _regenerated_counts(regenerated_path)
     write_atomic(manifest_path, _manifest(inputs, counts, complete=True, backend=backend))
     return out_dir
@@ -301,6 +299,6 @@ def load_stage_conversations(data_dir: Path) -> list[Conversation]:
         raise DataError(
             f"the data stage in {data_dir} did not finish", hint="re-run the same `draftsmith data` command"
         )
-    name = "regenerated.jsonl" if manifest["config"]["regenerate"] else "conversations.jsonl"
+    name = REGENERATED if manifest["config"]["regenerate"] else "conversations.jsonl"
     files = [Path(data_dir) / n for n in (name, CHATS) if (Path(data_dir) / n).exists()]
     return [Conversation(r["id"], r["messages"]) for f in files for _, r in read_records(f)]
