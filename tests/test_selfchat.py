@@ -253,6 +253,36 @@ def test_regeneration_records_the_states_of_every_token_the_target_read(tmp_path
     assert len(replies) == 10 and 0 < sum(m["truncated"] for m in replies) < 10  # stopped and cut replies
 
 
+def test_a_crash_while_regenerating_leaves_states_for_every_conversation_on_disk(tmp_path, monkeypatch):
+    """Recorded groups reach the disk states first: after a crash every line on disk has its states, and the resumed
+    run completes the file as an uninterrupted one writes it."""
+    target = chat_target(seed=5)
+    target.tokenizer.chat_template = TEMPLATE
+    record = Recording(target.fingerprint(), default_aux_layers(target.num_layers), "transformers")
+    convs = [Conversation(f"c{i}", [{"role": "user", "content": f"w{20 + i} w{30 + i}"}]) for i in range(7)]
+    options = {"temperature": 0.0, "max_new_tokens": 5, "batch_size": 2, "seed": 0, "progress": False}
+    (tmp_path / "whole").mkdir()
+    whole = chats(regenerate(target, convs, tmp_path / "whole" / "regenerated.jsonl", record=record, **options))
+    step, calls = StreamDecoder.step, []
+
+    def crash_on_step_12(self, tokens, restart=()):
+        calls.append(1)
+        if len(calls) == 12:
+            raise KeyboardInterrupt
+        return step(self, tokens, restart)
+
+    monkeypatch.setattr(StreamDecoder, "step", crash_on_step_12)
+    out = tmp_path / "regenerated.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(target, convs, out, record=record, **options)
+    on_disk = [c["id"] for c in chats(out)]
+    assert 0 < len(on_disk) < 7 and all(cid in RecordedFeatures(recorded_dir(out)) for cid in on_disk)
+    monkeypatch.undo()
+    regenerate(target, convs, out, record=record, **options)
+    assert {c["id"]: c for c in chats(out)} == {c["id"]: c for c in whole}
+    assert set(RecordedFeatures(recorded_dir(out)).index) == {c.id for c in convs}
+
+
 def test_extract_copies_recorded_states_and_stores_what_a_second_pass_would(tmp_path, monkeypatch):
     """The data stage records, extract copies: no forward over a recorded self-chat or regenerated conversation,
     and the store equals one extracted the old way. A store asking for other layers computes."""
