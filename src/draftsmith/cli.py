@@ -143,7 +143,8 @@ def data(
         float | None, typer.Option(help="write only the whole batches of --self-chat chats that fit in this time")
     ] = None,
     record_features: Annotated[
-        bool, typer.Option(help="keep the --self-chat chats' hidden states as they are written: extract copies them")
+        bool,
+        typer.Option(help="keep the states of --self-chat and --regenerate tokens as written: extract copies them"),
     ] = False,
     limit: Annotated[int | None, typer.Option(help="first N conversations of each source")] = None,
     skip: Annotated[int, typer.Option(help="skip the first N records of each source (held out for eval)")] = 0,

@@ -31,7 +31,8 @@ class DataConfig(StageConfig):
     self_chat_minutes: float | None = Field(default=None, gt=0)  # ... or as many as fit in this time (whole batches)
     self_chat_user_temperature: float = Field(default=1.0, gt=0)  # the sampled user turns (replies stay greedy)
     self_chat_loop_ngram: int = Field(default=0, ge=0)  # N > 0: a reply ends before it repeats one of its N-grams
-    # keep the self-chats' hidden states (default aux layers) as they are written: extract copies them, no 2nd pass
+    # keep the hidden states (default aux layers) of self-chats and regenerated conversations (transformers) as they
+    # are written: extract copies them, no second pass
     record_features: bool = False
     limit: int | None = Field(default=None, ge=1)
     skip: int = Field(default=0, ge=0)  # records skipped at the start of each source: held out for evaluation
