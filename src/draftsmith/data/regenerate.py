@@ -409,8 +409,8 @@ def _regenerate_stream(
     began = time.perf_counter()
     with torch.inference_mode(), batched_attention(target.model), recording as states:
         decoder = StreamDecoder(target, first, max(map(len, first)) + max_new_tokens)
-        if states:  # the prefill's, each row's after its left padding
-            for job, prompt, aux, last in zip(jobs, first, *states[0], strict=True):
+        if states:  # the prefill's, each row's after its left padding (kept in host memory until written)
+            for job, prompt, aux, last in zip(jobs, first, *(t.cpu() for t in states[0]), strict=True):
                 job.states.append((aux[-len(prompt) :], last[-len(prompt) :]))
         while jobs:
             writing = [i for i, job in enumerate(jobs) if not (job.forced or job.done)]
@@ -438,7 +438,7 @@ def _regenerate_stream(
             states.clear()
             decoder.step(feed, restart)
             if states:
-                for job, aux, last in zip(jobs, *states[0], strict=True):
+                for job, aux, last in zip(jobs, *(t.cpu() for t in states[0]), strict=True):
                     job.states.append((aux, last))
     stats.seconds = time.perf_counter() - began
 
