@@ -6,10 +6,10 @@ The measurements in one run, on the same prompts and the same (packed) target:
   by length so little padding is computed, with the data stage's attention (`batched_attention`). The upper
   bound: every weight read once serves a whole batch of tokens.
 - regeneration: `draftsmith.data.regenerate.regenerate` (the `draftsmith data --regenerate` code path, greedy) over
-  the prompts at `--batch-size`: rows that never drain (`backends/stream.py`); tokens/s counts every token the
-  target wrote, stop tokens included (re-tokenised from the output).
-- regeneration (turn batches): the same through the path of engines that batch inside (one batched generate per
-  turn, rows leaving as they finish), as regeneration ran on transformers before the stream.
+  the prompts at `--batch-size`; tokens/s counts every token the target wrote, stop tokens included (re-tokenised
+  from the output).
+- regeneration recorded: the same keeping every token's states (`--record-features`: rows that never drain,
+  `backends/stream.py`); printed against regeneration followed by a second pass of extraction.
 - self-chat: `draftsmith.data.selfchat.self_chat` (the `draftsmith data --self-chat` code path: the target writes
   both sides of multi-turn chats in a batch that never drains) for as many chats as prompts, `--chat-length`
   tokens each, at `--batch-size`; tokens/s counts every token of the chats.
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.backends.batch import batched_attention, generate_batch
+from draftsmith.backends.batch import batched_attention
 from draftsmith.data import regenerate as regenerate_module
 from draftsmith.data import selfchat as selfchat_module
 from draftsmith.data.selfchat import self_chat
@@ -49,7 +49,7 @@ from draftsmith.pipeline import load_pipeline
 from draftsmith.store import Recording, default_aux_layers, extract
 from draftsmith.target import Target, load_target
 
-ARMS = ("prefill", "regeneration", "regeneration (turn batches)", "self-chat", "self-chat recorded", "extraction")
+ARMS = ("prefill", "regeneration", "regeneration recorded", "self-chat", "self-chat recorded", "extraction")
 PROMPT_FILES = ("mt_bench_questions.jsonl", "gsm8k_test.jsonl")  # first turns of each, alternating
 
 
@@ -75,7 +75,8 @@ def load_prompts(data_dir: Path | None, n: int) -> tuple[str, list[Conversation]
     run out), else the builtin prompts."""
     files = [Path(data_dir) / name for name in PROMPT_FILES] if data_dir else []
     if files and all(f.is_file() for f in files):
-        mt_bench, gsm8k = (load_eval_prompts(str(f), limit=n)[1] for f in files)
+        mt_bench, gsm8k = ([Conversation(f"{f.stem}-{c.id}", c.messages) for c in load_eval_prompts(str(f), limit=n)[1]]
+                           for f in files)  # fmt: skip
         mixed = [c for pair in zip(mt_bench, gsm8k, strict=False) for c in pair] + gsm8k[len(mt_bench) :]
         if len(mixed) >= n:
             return " + ".join(f.name for f in files), mixed[:n]
@@ -83,27 +84,16 @@ def load_prompts(data_dir: Path | None, n: int) -> tuple[str, list[Conversation]
     return "builtin", [builtin[i % len(builtin)] for i in range(n)]  # repeated when n exceeds the 60 builtins
 
 
-class TurnBatches:
-    """The regeneration path of engines that batch inside (vLLM): one `generate_batch` per turn of a batch of
-    conversations, whose rows leave as they finish."""
-
-    def __init__(self, target: Target) -> None:
-        self.target = target
-
-    def generate(self, prompts, *, seed, **options):
-        return generate_batch(self.target, prompts, **options)
-
-
 def run_regenerate(
-    target: Target, convs: list[Conversation], args, work: Path, turn_batches: bool = False
+    target: Target, convs: list[Conversation], args, work: Path, record: Recording | None = None
 ) -> tuple[int, float, str]:
-    """(tokens written, seconds, the output text) of one regeneration into a fresh file: rows that never drain (what
-    `draftsmith data --regenerate` runs on transformers), or with `turn_batches` a batched generate per turn."""
+    """(tokens written, seconds, the output text) of one regeneration into a fresh file: a batched generate per
+    turn, or with `record` rows that never drain keeping every token's states (`--record-features`)."""
     out = Path(tempfile.mkdtemp(dir=work)) / "regenerated.jsonl"
     start = time.perf_counter()
     regenerate_module.regenerate(
         target, convs, out, temperature=0.0, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        seed=0, progress=False, backend=TurnBatches(target) if turn_batches else None,
+        seed=0, progress=False, record=record,
     )  # fmt: skip
     seconds = time.perf_counter() - start
     return written_tokens(target, out.read_text()), seconds, out.read_text()
@@ -198,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "prefill":
                     tokens, seconds = run_prefill(target, rows, args.batch_size)
                 elif name.startswith("regeneration"):
-                    tokens, seconds, again = run_regenerate(target, convs, args, work, name.endswith("batches)"))
+                    recording = record if name.endswith("recorded") else None
+                    tokens, seconds, again = run_regenerate(target, convs, args, work, recording)
                     identical += again == text
                 elif name.startswith("self-chat"):
                     recording = record if name.endswith("recorded") else None
@@ -213,9 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, value in median.items():
         print(f"{name:<26} {value:8.1f} tokens/s  (median of {len(rates[name])} runs)")
-    for name in ("regeneration", "regeneration (turn batches)", "self-chat", "extraction"):
+    for name in ("regeneration", "regeneration recorded", "self-chat", "extraction"):
         if name in median and "prefill" in median:
             print(f"{name + ' / prefill':<40} = {median[name] / median['prefill']:.2f}")
+    if {"regeneration", "extraction", "regeneration recorded"} <= set(median):
+        stored = sum(map(len, rows)) / written_tokens(target, text)  # tokens extraction reads per token written
+        two_pass = 1 / (1 / median["regeneration"] + stored / median["extraction"])
+        print(f"regeneration then extraction (two passes) {two_pass:.1f} written tokens/s; recorded in one pass "
+              f"{median['regeneration recorded']:.1f} = {median['regeneration recorded'] / two_pass:.2f}x")  # fmt: skip
     if {"self-chat", "extraction", "self-chat recorded"} <= set(median):
         two_pass = 1 / (1 / median["self-chat"] + 1 / median["extraction"])
         print(f"self-chat then extraction (two passes) {two_pass:.1f} tokens/s; recorded in one pass "

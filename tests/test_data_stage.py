@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.backends.batch import generate_batch
 from draftsmith.backends.stream import StreamDecoder
 from draftsmith.data import regenerate as regenerate_module
 from draftsmith.data import stage as stage_module
@@ -101,17 +100,6 @@ def test_turn_that_ends_with_eos_is_not_truncated(tmp_path):
     assert cut["messages"][-1]["truncated"] is True  # no EOS within max_new_tokens on this random model
 
 
-class TurnBatches:
-    """An engine of its own, as vLLM is to `regenerate`: it gets one turn of a batch of conversations at a time
-    (`generate_batch` underneath), the path the stream of rows that never drain must match."""
-
-    def __init__(self, target) -> None:
-        self.target = target
-
-    def generate(self, prompts, *, seed, **options):
-        return generate_batch(self.target, prompts, **options)
-
-
 def multi_turn(n: int) -> list[Conversation]:
     """Conversations of one to three user turns, some with old assistant turns to replace."""
     convs = []
@@ -133,7 +121,7 @@ def test_stream_writes_what_turn_by_turn_batches_write(tmp_path, monkeypatch, re
         encode = regenerate_module._encode_prompt
         monkeypatch.setattr(
             regenerate_module, "_encode_prompt",
-            lambda t, history: [2 + len(history)] + encode(t, history),
+            lambda t, history, *rest: [2 + len(history)] + encode(t, history, *rest),
         )  # fmt: skip
     restarts = []
     step = StreamDecoder.step
@@ -142,8 +130,9 @@ def test_stream_writes_what_turn_by_turn_batches_write(tmp_path, monkeypatch, re
     )
     convs = multi_turn(11)
     options = GEN | {"batch_size": 3, "max_new_tokens": 5}
-    stream = read_jsonl(regenerate(target, convs, tmp_path / "stream.jsonl", **options))
-    turns = read_jsonl(regenerate(target, convs, tmp_path / "turns.jsonl", backend=TurnBatches(target), **options))
+    record = Recording(target.fingerprint(), default_aux_layers(target.num_layers), "transformers")  # rows that
+    stream = read_jsonl(regenerate(target, convs, tmp_path / "stream.jsonl", record=record, **options))  # never drain
+    turns = read_jsonl(regenerate(target, convs, tmp_path / "turns.jsonl", **options))
     assert len(stream) == len(convs) and {r["id"]: r for r in stream} == {r["id"]: r for r in turns}
     assert sum(len(r["messages"]) for r in stream) > 2 * len(convs)  # later turns were written
     later_turns = sum(m["role"] == "assistant" for r in stream for m in r["messages"]) - len(convs)
@@ -165,7 +154,7 @@ def test_smollm2_stream_writes_what_turn_by_turn_batches_write(smollm2, tmp_path
     record = Recording(smollm2.fingerprint(), default_aux_layers(smollm2.num_layers), "transformers")
     out = regenerate(smollm2, convs, tmp_path / "stream.jsonl", record=record, **options)
     stream = read_jsonl(out)
-    turns = read_jsonl(regenerate(smollm2, convs, tmp_path / "turns.jsonl", backend=TurnBatches(smollm2), **options))
+    turns = read_jsonl(regenerate(smollm2, convs, tmp_path / "turns.jsonl", **options))
     assert {r["id"]: r for r in stream} == {r["id"]: r for r in turns}
     assert sum(m["role"] == "assistant" for r in stream for m in r["messages"]) == 9
     recorded = RecordedFeatures(recorded_dir(out))  # what the rows fed is what `tokenize` reads, but the last "\n"
@@ -181,32 +170,31 @@ def test_resume_after_a_crash_writes_every_id_exactly_once(tmp_path, monkeypatch
     reference = read_jsonl(regenerate(target, convs, tmp_path / "ref.jsonl", **(GEN | {"batch_size": 1})))
 
     out = tmp_path / "r.jsonl"
-    real = StreamDecoder.step
+    real = regenerate_module.generate_batch
     calls = []
 
-    def crash_on_step_25(self, tokens, restart=()):
+    def crash_on_third_batch(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 25:
+        if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(self, tokens, restart)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(StreamDecoder, "step", crash_on_step_25)
+    monkeypatch.setattr(regenerate_module, "generate_batch", crash_on_third_batch)
     with pytest.raises(KeyboardInterrupt):
         regenerate(target, convs, out, **(GEN | {"batch_size": 2}))
-    written = len(read_jsonl(out))
-    assert 2 <= written < 9  # the conversations finished before the crash reached the disk
+    assert len(read_jsonl(out)) == 4  # two whole batches reached the disk
     with out.open("a") as f:
         f.write('{"id": "p8", "messages": [{"role": "us')  # a torn last line, as a kill mid-write leaves
-    monkeypatch.setattr(StreamDecoder, "step", real)
+    monkeypatch.setattr(regenerate_module, "generate_batch", real)
 
-    assert len(read_done_ids(out)) == written and out.read_text().endswith("\n")
+    assert len(read_done_ids(out)) == 4 and out.read_text().endswith("\n")
     regenerate(target, convs, out, **(GEN | {"batch_size": 1}))
     records = read_jsonl(out)
     assert sorted(r["id"] for r in records) == sorted(c.id for c in convs)
     assert {r["id"]: r for r in records} == {r["id"]: r for r in reference}
 
     before = out.read_text()
-    monkeypatch.setattr(StreamDecoder, "__init__", None)  # a finished file needs no generation at all
+    monkeypatch.setattr(regenerate_module, "generate_batch", None)  # a finished file needs no generation at all
     regenerate(target, convs, out, **GEN)
     assert out.read_text() == before
 

@@ -5,13 +5,15 @@ turn wherever it had one, and after every user message not already answered (so 
 style `turns` becomes user/assistant pairs). Turns are written in order: turn i is generated from the conversation
 as regenerated so far, exactly as the target would see it at inference.
 
-Regeneration is the slowest data step. On transformers it runs in rows that never drain (`backends/stream.py`):
-a row that finishes a turn feeds the next prompt's new tokens, a row that finishes a conversation starts the next
-one (conversations start in order of first-prompt length, so the first prefill pads little); no step runs half
-empty. Engines that batch inside (vLLM) get one turn of a batch of conversations at a time instead. Resumable: each
-finished conversation (stream) or batch is appended to the output JSONL (fsynced every few seconds and at the
-end); a re-run reads the ids already there, drops a torn last line, and generates only the rest. Each regenerated
-turn records `"truncated": true` when it was cut at `max_new_tokens` instead of ending with the target's EOS.
+Regeneration is the slowest data step. It runs one batched generation per turn of a batch of conversations
+(similar first-prompt lengths share a batch), each prompt prefilled at once and finished rows leaving the batch
+(`generate_batch`, or the backend's own engine). With `record` on transformers it runs instead in rows that never
+drain (`backends/stream.py`): a row that finishes a turn feeds the next prompt's new tokens, one that finishes a
+conversation starts the next, and the states of every token fed are kept, so `extract` needs no second pass.
+Resumable: each finished batch (or, recording, each group of finished conversations, states first) is appended to
+the output JSONL and fsynced; a re-run reads the ids already there, drops a torn last line, and generates only the
+rest. Each regenerated turn records `"truncated": true` when it was cut at `max_new_tokens` instead of ending with
+the target's EOS.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ if TYPE_CHECKING:
     from draftsmith.backends import Backend
 
 console = Console(stderr=True, soft_wrap=True)
-SYNC_SECONDS = 5.0  # regenerated conversations reach the disk (fsync) at least this often
 
 
 def regenerate(
@@ -94,7 +95,10 @@ def regenerate(
         out_path.open("a", encoding="utf-8") as out,
     ):
         task = bar.add_task("regenerate", total=len(conversations), completed=len(conversations) - len(pending))
-        if pending and engine is not None and streamable(engine.model):
+        # Rows that never drain feed each new prompt a token per step: a prompt token then costs a decode slot,
+        # ~2x a prefilled one on a CPU in bf16 (benchmarks/data_throughput.py: 403 against 450 tokens/s for a batch
+        # per turn), so they run only when they save more: recording, which takes the second pass out.
+        if pending and record is not None and engine is not None and streamable(engine.model):
 
             def advance() -> None:
                 bar.update(task, advance=1, description=f"regenerate ({stats.tokens_per_s:.0f} tokens/s)")
@@ -241,18 +245,15 @@ def _regenerate_batch(
 
 
 class _Output:
-    """Finished conversations on their way to `out`: appended one by one (fsynced every `SYNC_SECONDS` and at the
-    end), or with `record`, in groups whose states file is written first (`write_recorded`, named by the group's
-    first line in `out`), so a conversation on disk always has its states on disk; a crash loses at most a group."""
+    """Finished conversations on their way to `out` in groups of `group`, each group's states file written first
+    (`write_recorded`, named by the group's first line in `out`): a conversation on disk always has its states on
+    disk, and a crash loses at most a group."""
 
-    def __init__(
-        self, out, written: int, group: int, folder: Path, record: Recording | None, advance: Callable
-    ) -> None:
+    def __init__(self, out, written: int, group: int, folder: Path, record: Recording, advance: Callable) -> None:
         self.out, self.written, self.group, self.folder, self.record, self.advance = (
             out, written, group, folder, record, advance
         )  # fmt: skip
         self.pending: list[tuple[dict, RecordedSample | None]] = []
-        self.synced = time.monotonic()
 
     def __enter__(self) -> _Output:
         return self
@@ -260,25 +261,20 @@ class _Output:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.flush()
-        os.fsync(self.out.fileno())
 
     def add(self, record: dict, sample: RecordedSample | None) -> None:
         self.pending.append((record, sample))
-        if self.record is None or len(self.pending) >= self.group:
+        if len(self.pending) >= self.group:
             self.flush()
 
     def flush(self) -> None:
-        if not self.pending:
-            return
         samples = [sample for _, sample in self.pending if sample is not None]
         if samples:
             self.folder.mkdir(parents=True, exist_ok=True)
             write_recorded(self.folder / f"part-{self.written:07d}.safetensors", samples, self.record)
         self.out.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r, _ in self.pending))
         self.out.flush()
-        if self.record is not None or time.monotonic() - self.synced > SYNC_SECONDS:
-            os.fsync(self.out.fileno())
-            self.synced = time.monotonic()
+        os.fsync(self.out.fileno())
         for _ in self.pending:
             self.advance()
         self.written += len(self.pending)
