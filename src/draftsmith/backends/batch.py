@@ -135,6 +135,27 @@ def batch_cache(model, capacity: int, whole: bool = False) -> Cache:
     return Cache(layers=[PreallocatedLayer(capacity, whole) for _ in dynamic.layers])
 
 
+def left_padded(target: Target, prompts: Sequence[list[int]]) -> torch.Tensor:
+    """The prompts as one (rows, longest) id tensor, left-padded with the pad token (else the first EOS id)."""
+    width = max(len(p) for p in prompts)
+    pad = target.tokenizer.pad_token_id
+    pad = min(target.eos_token_ids) if pad is None else pad
+    return torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=target.device)
+
+
+def prefill(model, ids: torch.Tensor, attend: torch.Tensor, cache: Cache) -> torch.Tensor:
+    """Forward left-padded `ids` into `cache`, each row seeing the slots where `attend` (rows, width) is True and
+    counting positions from its first real token; the next-token logits of each row, float32."""
+    out = model(
+        input_ids=ids,
+        attention_mask=attend.long(),
+        position_ids=(attend.long().cumsum(-1) - 1).clamp_min(0),
+        past_key_values=cache,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1].float()
+
+
 class BatchDecoder:
     """A left-padded batch decoded one token per live row per step, into a preallocated KV cache.
 
@@ -148,10 +169,8 @@ class BatchDecoder:
     ) -> None:
         """`whole`: decode steps read the whole KV buffer (`PreallocatedLayer`); None: for dtypes below float32."""
         self.model, device = target.model, target.device
-        self.width = width = max(len(p) for p in prompts)
-        pad = target.tokenizer.pad_token_id
-        pad = min(target.eos_token_ids) if pad is None else pad
-        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+        ids = left_padded(target, prompts)
+        self.width = width = ids.shape[1]
         self.lengths = [len(p) for p in prompts]
         # Which cache slots each row attends to (True = a real token), for the whole generation at once.
         self.attend = torch.ones(len(prompts), width + max_new_tokens, dtype=torch.bool, device=device)
@@ -168,14 +187,7 @@ class BatchDecoder:
             self.attend[:, width:] = False
         self.padded = min(self.lengths) < width
         self.seen = width  # cache slots written so far
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self.attend[:, :width].long(),
-            position_ids=(self.attend[:, :width].long().cumsum(-1) - 1).clamp_min(0),
-            past_key_values=self.cache,
-            logits_to_keep=1,
-        )
-        self.logits = out.logits[:, -1].float()
+        self.logits = prefill(self.model, ids, self.attend[:, :width], self.cache)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per live row (shape (rows,)); the logits of the token after it, (rows, vocab)."""

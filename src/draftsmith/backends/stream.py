@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from draftsmith.backends.batch import PreallocatedLayer, batch_cache
+from draftsmith.backends.batch import PreallocatedLayer, batch_cache, left_padded, prefill
 from draftsmith.target import Target
 
 
@@ -70,23 +70,14 @@ class StreamDecoder:
 
     def __init__(self, target: Target, prompts: Sequence[list[int]], capacity: int) -> None:
         self.model, device = target.model, target.device
-        width = max(len(p) for p in prompts)
-        pad = target.tokenizer.pad_token_id
-        pad = min(target.eos_token_ids) if pad is None else pad
-        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+        ids = left_padded(target, prompts)
+        width = ids.shape[1]
         capacity = max(capacity, width + 1)
         self.attend = torch.zeros(len(prompts), capacity, dtype=torch.bool, device=device)
         for i, p in enumerate(prompts):
             self.attend[i, width - len(p) : width] = True
         self.cache = Cache(layers=[RowSlotsLayer(capacity) for _ in batch_cache(self.model, 1).layers])
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self.attend[:, :width].long(),
-            position_ids=(self.attend[:, :width].long().cumsum(-1) - 1).clamp_min(0),
-            past_key_values=self.cache,
-            logits_to_keep=1,
-        )
-        self.logits = out.logits[:, -1].float()
+        self.logits = prefill(self.model, ids, self.attend[:, :width], self.cache)
         self.slots = torch.full((len(prompts),), width, dtype=torch.long, device=device)
         self.positions = torch.tensor([len(p) for p in prompts], device=device)
         self.width = width  # slots [0, width) hold or held some row's tokens
