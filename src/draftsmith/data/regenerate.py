@@ -24,7 +24,6 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -96,7 +95,7 @@ def regenerate(
     ):
         task = bar.add_task("regenerate", total=len(conversations), completed=len(conversations) - len(pending))
         # Rows that never drain feed each new prompt a token per step: a prompt token then costs a decode slot,
-        # ~2x a prefilled one on a CPU in bf16 (benchmarks/data_throughput.py: 403 against 450 tokens/s for a batch
+        # ~2x a prefilled one on a CPU in bf16 (benchmarks/data_throughput.py: 396 against 450 tokens/s for a batch
         # per turn), so they run only when they save more: recording, which takes the second pass out.
         if pending and record is not None and engine is not None and streamable(engine.model):
 
@@ -322,10 +321,10 @@ class _Job:
             return True
         return False
 
-    def turn_over(self, target: Target, token: int, max_new_tokens: int, stats: _Stats, record: bool) -> bool:
+    def turn_over(self, target: Target, token: int, max_new_tokens: int, stats: _Stats) -> bool:
         """The turn ended at `token` (a stop token, or the reply's last): note it and queue what the row feeds next:
         the next prompt's new tokens, or the whole prompt when the history re-tokenises differently (True: the row
-        must restart). When the conversation is over (`done`) and `record`, the tokens that end the last reply."""
+        must restart). When the conversation is over (`done`), the tokens that end the last reply (recorded)."""
         ended = token in target.eos_token_ids
         text = target.tokenizer.decode(self.reply, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         self.messages.append({"role": "assistant", "content": text, "truncated": not ended})
@@ -336,7 +335,7 @@ class _Job:
         self.reply = []
         prompt = self.next_prompt(target, max_new_tokens, stats)
         self.done = prompt is None
-        following = _encode_prompt(target, self.messages, False) if self.done and record else prompt
+        following = _encode_prompt(target, self.messages, False) if self.done else prompt
         if following is None:
             return False
         held, learned = self.fed, 1 + (not ended)  # the reply's last token when not fed yet, the turn's end token
@@ -374,7 +373,7 @@ def _regenerate_stream(
     batch_size: int,
     stats: _Stats,
     finish: Callable[[dict, RecordedSample | None], None],
-    record: Recording | None = None,
+    record: Recording,
 ) -> None:
     """Regenerate `pending` in `batch_size` rows that never drain (`StreamDecoder`), handing each conversation to
     `finish` as it ends. A row that finishes a turn feeds only the next prompt's new tokens (the template and the
@@ -401,9 +400,8 @@ def _regenerate_stream(
     if not jobs:
         return
     first = [[job.feed() for _ in range(len(job.forced))] for job in jobs]  # prefilled together
-    recording = target.recording(record.layer_ids) if record else nullcontext([])
     began = time.perf_counter()
-    with torch.inference_mode(), batched_attention(target.model), recording as states:
+    with torch.inference_mode(), batched_attention(target.model), target.recording(record.layer_ids) as states:
         decoder = StreamDecoder(target, first, max(map(len, first)) + max_new_tokens)
         if states:  # the prefill's, each row's after its left padding (kept in host memory until written)
             for job, prompt, aux, last in zip(jobs, first, *(t.cpu() for t in states[0]), strict=True):
@@ -414,7 +412,7 @@ def _regenerate_stream(
             rows, live, feed, restart = [], [], [], []
             for i, job in enumerate(jobs):
                 fresh = i in chosen and not job.write(chosen[i], target.eos_token_ids, max_new_tokens)
-                fresh = fresh and job.turn_over(target, chosen[i], max_new_tokens, stats, record is not None)
+                fresh = fresh and job.turn_over(target, chosen[i], max_new_tokens, stats)
                 if job.done and not job.forced:  # the conversation is over: the row takes the next one, if any
                     finish({"id": job.cid, "messages": job.messages}, job.sample())
                     job = next_job()
