@@ -8,10 +8,10 @@ from draftsmith.errors import ConfigError
 from draftsmith.formats.load import load_drafter
 from draftsmith.train import TrainConfig, train
 from draftsmith.train import trainer as trainer_module
-from draftsmith.train.losses import dflash_anchors, dflash_forward
+from draftsmith.train.losses import DFlashObjective, dflash_anchors, dflash_forward
 from draftsmith.train.metrics import read_metrics
 from tests.conftest import tiny_target
-from tests.test_dflash import make_model
+from tests.test_dflash import make_model, with_draft_vocab
 from tests.test_train import LAYERS, curve, extract
 
 
@@ -42,6 +42,47 @@ def test_block_training_forward_equals_inference():
     for i, a in enumerate(anchors.tolist()):
         drafter.begin(ids[:a], sample["aux_hidden"][:a])
         torch.testing.assert_close(trained[i], drafter.block_logits(ids[: a + 1], 4), atol=1e-5, rtol=1e-5)
+
+
+def test_draft_loss_is_cross_entropy_over_what_the_engine_drafts_from():
+    """With `draft_loss` a block position's loss is the cross entropy of the logits the drafter's engine scores (the
+    draft vocabulary's head rows) at the target-written token; a token outside the draft vocabulary adds no loss
+    and counts as a miss; the accuracy compares target ids, not rows."""
+    target = tiny_target(2, vocab_size=12)
+    model = with_draft_vocab(make_model(target, block_size=4, ids=LAYERS), target, 6).eval()
+    sample = extract(target, 1, seed=4)[0]
+    ids = sample["input_ids"].long()
+    batch = {k: v[None] for k, v in sample.items()} | {"index": torch.tensor([0])}
+    batch |= {"loss_mask": torch.ones_like(ids)[None], "target_top": ids[None].roll(-1, 1)}
+    objective = DFlashObjective(4, None, anchors=5, kl=False, draft_loss=True)
+    batch = objective.prepare(batch, 0)
+    ones = torch.ones(3)
+    with torch.no_grad():
+        loss, stats = objective(model, batch, target.model.lm_head.weight.detach(), ones)
+    drafter, row = DFlashDrafter(model), {int(t): i for i, t in enumerate(model.draft_ids)}
+    weight, expected, hits = objective.step_weight, 0.0, torch.zeros(3)
+    for a in batch["anchors"][0].tolist():
+        drafter.begin(ids[:a], sample["aux_hidden"][:a])
+        with torch.no_grad():
+            logits = drafter.head(drafter._block(ids[: a + 1], 3)).float()
+        for k in range(3):
+            if a + k + 1 >= len(ids):
+                continue
+            label = int(ids[a + k + 1])
+            if label in row:
+                expected += weight**k * float(torch.nn.functional.cross_entropy(logits[k], torch.tensor(row[label])))
+            hits[k] += int(model.draft_ids[logits[k].argmax()]) == label
+    assert float(loss) == pytest.approx(expected, rel=1e-4)
+    assert stats.correct_draft.float().tolist() == hits.tolist()
+    assert stats.count.sum() > 0 and any(int(t) not in row for t in ids[1:])  # the out-of-vocabulary case ran
+
+
+def test_draft_loss_needs_a_draft_vocabulary(tmp_path):
+    from draftsmith.stages import train as stage_train
+
+    cfg = TrainConfig(algo="dflash", draft_loss=True)
+    with pytest.raises(ConfigError, match="draft vocabulary"):
+        stage_train(cfg, tmp_path / "store", tmp_path / "vocab", tmp_path / "out", tiny_target(0))
 
 
 def test_anchors_stay_inside_the_loss_mask():

@@ -271,6 +271,7 @@ def train(
         None
     ),
     draft_vocab: Annotated[bool, typer.Option(help="dflash: score only --vocab's tokens when drafting")] = False,
+    draft_loss: Annotated[bool, typer.Option(help="dflash: score the training loss over them too (faster)")] = False,
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Train an EAGLE-3 drafter with the training-time test, or (--algo dflash) a DFlash block drafter (resumes by

@@ -201,8 +201,10 @@ def dflash_gamma(block_size: int) -> float:
 class DFlashObjective:
     """The block loss, with the trainer's objective interface (as `TTTObjective`)."""
 
-    def __init__(self, block_size: int, gamma: float | None, anchors: int, kl: bool, seed: int = 0) -> None:
-        self.block_size, self.anchors, self.kl, self.seed = block_size, anchors, kl, seed
+    def __init__(
+        self, block_size: int, gamma: float | None, anchors: int, kl: bool, seed: int = 0, draft_loss: bool = False
+    ) -> None:
+        self.block_size, self.anchors, self.kl, self.seed, self.draft_loss = block_size, anchors, kl, seed, draft_loss
         self.steps = block_size - 1
         self.step_weight = math.exp(-1.0 / (gamma or dflash_gamma(block_size)))
 
@@ -219,6 +221,19 @@ class DFlashObjective:
         for i, a in enumerate(drawn):
             anchors[i, : len(a)] = a
         return batch | {"anchors": anchors.to(batch["loss_mask"].device)}
+
+    def scored_tokens(self, model: DFlashModel) -> torch.Tensor | None:
+        """The target ids the loss scores: with `draft_loss` and a drafter that keeps a draft vocabulary, its
+        `draft_ids` (what draftsmith's engine drafts from; the head rows cost Vd/V as much: on a CPU the full
+        49k-row head was over half of a step), else None for the full vocabulary."""
+        return getattr(model, "draft_ids", None) if self.draft_loss else None
+
+    @staticmethod
+    def draft_index(model: DFlashModel, scored: torch.Tensor) -> torch.Tensor:
+        """(V,) target id -> its row in `scored`, -1 outside it."""
+        index = torch.full((model.config.vocab_size,), -1, dtype=torch.long, device=scored.device)
+        index[scored] = torch.arange(len(scored), device=scored.device)
+        return index
 
     def labels(self, batch: dict[str, torch.Tensor], i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For sequence i: anchors, the (m, B-1) positions a+k the block predicts, and whether each counts."""
@@ -241,25 +256,35 @@ class DFlashObjective:
         self, model: DFlashModel, batch: dict[str, torch.Tensor], target_head: torch.Tensor, denominators: torch.Tensor
     ) -> tuple[torch.Tensor, StepStats]:
         """sum_k w^(k-1) * (cross entropy of x[a+k], or with `kl` KL(p || q) to the target's distribution at a+k-1)
-        over the counted positions / denominators[k-1]."""
+        over the counted positions / denominators[k-1]; over the draft vocabulary with `draft_loss`."""
         total = target_head.new_zeros(())
         stats = StepStats.zeros(self.steps, target_head.device)
         weights = self.step_weight ** torch.arange(self.steps, device=target_head.device)
+        scored = self.scored_tokens(model)
+        head = model.lm_head.weight if scored is None else model.lm_head.weight[scored]
+        if torch.is_autocast_enabled(head.device.type):  # cast the frozen rows once, not once per sequence
+            head = head.to(torch.get_autocast_dtype(head.device.type))
+        kl_head = target_head if scored is None else target_head[scored]
+        index = None if scored is None else self.draft_index(model, scored)
         for i in range(len(batch["input_ids"])):
             anchors, where, valid = self.labels(batch, i)
             if not valid.any():
                 continue
             hidden = dflash_forward(model, batch["input_ids"][i], batch["aux_hidden"][i], anchors)
             rows, cols = valid.nonzero(as_tuple=True)
-            logits = model.lm_head(hidden[rows, cols + 1]).float()
+            logits = F.linear(hidden[rows, cols + 1], head).float()
             at = where[rows, cols]
             if self.kl:
-                p, neg_entropy = target_distribution(batch["last_hidden"][i][at - 1], target_head)
+                p, neg_entropy = target_distribution(batch["last_hidden"][i][at - 1], kl_head)
                 loss = F.cross_entropy(logits, p, reduction="none") + neg_entropy
-            else:
+            elif index is None:
                 loss = F.cross_entropy(logits, batch["input_ids"][i][at], reduction="none")
+            else:  # a token outside the draft vocabulary cannot be drafted: no loss, counted as a miss
+                label = index[batch["input_ids"][i][at]]
+                loss = F.cross_entropy(logits, label.clamp_min(0), reduction="none") * (label >= 0)
             total = total + (weights[cols] * loss / denominators[cols].clamp_min(1)).sum()
             guess = logits.argmax(-1).detach()
+            guess = guess if scored is None else scored[guess]
             stats.loss_sum.index_add_(0, cols, loss.detach().double())
             stats.correct.index_add_(0, cols, (guess == batch["target_top"][i][at - 1]).double())
             stats.correct_draft.index_add_(0, cols, (guess == batch["input_ids"][i][at]).double())

@@ -97,11 +97,14 @@ class TrainConfig(StageConfig):
     kl: bool = False  # KL to the target's distribution instead of cross entropy on the target-written token
     mask_token_id: int | None = Field(default=None, ge=0)  # None: the tokenizer's mask, else a spare special token
     draft_vocab: bool = False  # draftsmith's engine scores only the vocab stage's tokens (training: the full head)
+    # ... and the training loss scores only them too (needs draft_vocab): the drafter learns the choice the engine
+    # makes, at a fraction of the head's cost; engines that serve the full head see rows it was never trained against
+    draft_loss: bool = False
 
     def objective(self) -> TTTObjective | DFlashObjective:
         """What one step computes: EAGLE-3's training-time test, or DFlash's block loss."""
         if self.algo == "dflash":
-            return DFlashObjective(self.block_size, self.gamma, self.anchors, self.kl, self.seed)
+            return DFlashObjective(self.block_size, self.gamma, self.anchors, self.kl, self.seed, self.draft_loss)
         return TTTObjective(self.ttt_steps, self.step_weight)
 
     def uses_bf16(self, device: torch.device | str) -> bool:
