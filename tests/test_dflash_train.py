@@ -77,12 +77,12 @@ def test_draft_loss_is_cross_entropy_over_what_the_engine_drafts_from():
     assert stats.count.sum() > 0 and any(int(t) not in row for t in ids[1:])  # the out-of-vocabulary case ran
 
 
-def test_draft_loss_needs_a_draft_vocabulary(tmp_path):
-    from draftsmith.stages import train as stage_train
-
-    cfg = TrainConfig(algo="dflash", draft_loss=True)
+def test_draft_loss_needs_a_draft_vocabulary():
     with pytest.raises(ConfigError, match="draft vocabulary"):
-        stage_train(cfg, tmp_path / "store", tmp_path / "vocab", tmp_path / "out", tiny_target(0))
+        TrainConfig.checked(algo="dflash", draft_loss=True)
+    with pytest.raises(ConfigError, match="draft vocabulary"):
+        TrainConfig.checked(algo="eagle3", draft_loss=True, draft_vocab=True)
+    assert TrainConfig.checked(algo="dflash", draft_loss=True, draft_vocab=True).objective().draft_loss
 
 
 def test_anchors_stay_inside_the_loss_mask():

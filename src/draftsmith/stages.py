@@ -162,11 +162,6 @@ def train(
     from draftsmith.train.trainer import train as run_train
     from draftsmith.vocab import DraftVocab
 
-    if cfg.draft_loss and not (cfg.algo == "dflash" and cfg.draft_vocab):
-        raise ConfigError(
-            "draft_loss scores a DFlash drafter's loss over its draft vocabulary, and this run has none",
-            hint="add --algo dflash --draft-vocab, or drop --draft-loss",
-        )
     if online != is_data_dir(source):
         raise ConfigError(
             f"{source} is {'a data' if is_data_dir(source) else 'not a data'} stage directory",

@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
-from pydantic import Field
+from pydantic import Field, model_validator
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from safetensors.torch import load_file
 from torch.utils.data import Dataset
@@ -100,6 +100,13 @@ class TrainConfig(StageConfig):
     # ... and the training loss scores only them too (needs draft_vocab): the drafter learns the choice the engine
     # makes, at a fraction of the head's cost; engines that serve the full head see rows it was never trained against
     draft_loss: bool = False
+
+    @model_validator(mode="after")
+    def _draft_loss_needs_a_draft_vocabulary(self) -> TrainConfig:
+        """A profile that asks for it fails when it loads, not after its data stage."""
+        if self.draft_loss and not (self.algo == "dflash" and self.draft_vocab):
+            raise ValueError("draft_loss scores a DFlash drafter's loss over its draft vocabulary; add draft_vocab")
+        return self
 
     def objective(self) -> TTTObjective | DFlashObjective:
         """What one step computes: EAGLE-3's training-time test, or DFlash's block loss."""
