@@ -196,7 +196,7 @@ def budgeted_draft(costs: tuple[float, ...], scale: float) -> tuple[Draft, list[
     drafter.begin(prompt, out.aux_hidden)
     draft = drafter.propose(torch.cat([prompt, out.logits[-1].argmax().view(1)]), shape.total, 0.0, torch.Generator())
     _, drafted, parents, confidences = drafter.last_tree
-    return draft, drafted, drafter._tree_reach(parents, confidences)
+    return draft, drafted, drafter.budget.tree_reach(parents, confidences)
 
 
 def test_budgeted_tree_verifies_the_likeliest_nodes_while_they_pay():
@@ -294,3 +294,78 @@ def test_ngram_tree_is_lossless(seed):
     truth = reference(target, prompt, 40)
     drafter = NgramDrafter(budget=DraftBudget.fixed(), tree=tree.TreeShape(4, 3, 10))
     assert SpeculativeDecoder(target, drafter, 10).generate(prompt, 40).tokens == truth
+
+
+def dflash(seed: int, shape: tree.TreeShape, block_size: int = 8, budget: DraftBudget | None = None):
+    from draftsmith.drafters.dflash import DFlashDrafter
+    from tests.test_dflash import make_model
+
+    target = tiny_target(seed, vocab_size=12 if seed % 2 else 96)  # a small vocabulary: some paths accepted
+    return target, DFlashDrafter(make_model(target, block_size, seed=seed), budget=budget, tree=shape)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("shape", ["depth=1,topk=3,total=3", "depth=3,topk=2,total=6", "depth=7,topk=4,total=16"])
+def test_dflash_greedy_tree_equals_generate(seed, shape):
+    shape = tree.TreeShape.parse(shape)
+    target, drafter = dflash(seed, shape)
+    prompt = [0] + torch.randint(2, 12, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = SpeculativeDecoder(target, drafter, shape.total).generate(prompt, 40)
+    assert out.tokens == reference(target, prompt, 40)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_dflash_budgeted_tree_equals_generate(seed):
+    """An adaptive budget verifies part of each block's tree and calibrates on what the target wrote."""
+    budget = DraftBudget(forward_costs=STEPPED_COSTS, step_cost=0.05)
+    target, drafter = dflash(seed, tree.TreeShape(5, 3, 12), budget=budget)
+    prompt = [0, 3, 4, 5, 6]
+    out = SpeculativeDecoder(target, drafter, 12).generate(prompt, 40)
+    assert out.tokens == reference(target, prompt, 40)
+    assert budget.confidence != DraftBudget().confidence or len(out.tokens) < 3  # scored its trees
+
+
+def test_block_tree_expands_the_best_frontier_with_each_position_top_k():
+    """Position 1's top-k hang below the root; the best k nodes of each level get the next position's top-k, so
+    every node's score is the sum of its path's log-probabilities and the best `total` nodes form a tree."""
+    from draftsmith.drafters.dflash import block_tree
+
+    logp = torch.log_softmax(torch.randn(4, 10, generator=torch.Generator().manual_seed(0)), -1)
+    ids, parents, scores = block_tree(logp, 3)
+    assert len(ids) == tree.TreeShape(4, 3, 1).capacity
+    assert ids[:3].tolist() == logp[0].topk(3).indices.tolist() and parents[:3] == [-1, -1, -1]
+    depth = tree.depths(torch.tensor(parents)).tolist()
+    for node in range(len(ids)):
+        total, at = 0.0, node
+        while at >= 0:
+            total += float(logp[depth[at] - 1, ids[at]])
+            at = parents[at]
+        assert abs(total - scores[node]) < 1e-5
+    for level in range(1, 4):  # exactly the best 3 of each level have children
+        at_level = [i for i in range(len(ids)) if depth[i] == level]
+        best = sorted(at_level, key=lambda i: -scores[i])[:3]
+        assert sorted({p for p in parents if p >= 0 and depth[p] == level}) == sorted(best)
+
+
+def test_dflash_tree_sampling_is_lossless():
+    from draftsmith.drafters.dflash import DFlashDrafter
+    from tests.test_dflash import make_model
+    from tests.test_sampling import P_VALUE_FLOOR, chi_square_pvalue, exact_joint, sample_engine
+
+    target = tiny_target(seed=3, vocab_size=5, layers=2, init_std=0.5)
+    # the engine's 2 draft tokens a round: the best 2 nodes, siblings where position 1 is unsure
+    drafter = DFlashDrafter(make_model(target, block_size=3, layers=1, ids=(1,)), tree=tree.TreeShape(2, 2, 4))
+    prompt, runs, temperature = [2, 3, 4], 3000, 1.0
+    counts = sample_engine(target, drafter, prompt, 4, runs, temperature)
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, 4, temperature), runs) > P_VALUE_FLOOR
+
+
+def test_dflash_tree_deeper_than_its_block_is_an_error_and_tune_leaves_such_shapes_out():
+    from draftsmith.drafters import with_tree
+    from draftsmith.tune import candidate_shapes, fitting
+
+    _, drafter = dflash(0, None, block_size=4)
+    with pytest.raises(ConfigError, match="deeper than the 3 draft positions") as info:
+        with_tree(drafter, tree.TreeShape(4, 2, 6))
+    assert "\n" not in info.value.message
+    assert {s.depth for s in fitting(drafter, candidate_shapes((2, 3, 6), (2,), (4, 8), (1, 5)))} == {1, 2, 3}

@@ -275,7 +275,7 @@ def train(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Train an EAGLE-3 drafter with the training-time test, or (--algo dflash) a DFlash block drafter (resumes by
-    default; torchrun: DDP, or FSDP with --fsdp for EAGLE-3)."""
+    default; torchrun: DDP, or FSDP with --fsdp)."""
     skip = {"store", "vocab_dir", "out", "target", "fresh", "online", "layers", "skip", "overwrite"}
     if os.environ.get("RANK", "0") == "0":
         _claim(out, "train", overwrite)

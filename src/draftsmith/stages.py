@@ -322,7 +322,7 @@ def tune(cfg: TuneConfig, target: Target) -> dict:
     from draftsmith.data.tokenize import encode_chat
     from draftsmith.drafters import with_tree
     from draftsmith.formats.load import build_drafter
-    from draftsmith.tune import candidate_shapes, engine_flags, write_tune
+    from draftsmith.tune import candidate_shapes, engine_flags, fitting, write_tune
     from draftsmith.tune import tune as run_tune
 
     dataset, prompts = load_eval_prompts(cfg.dataset, cfg.data_dir, cfg.skip + cfg.limit)
@@ -331,7 +331,7 @@ def tune(cfg: TuneConfig, target: Target) -> dict:
         raise ConfigError(f"--skip {cfg.skip} leaves no prompt of {dataset}", hint="lower --skip")
     encoded = [encode_chat(target.tokenizer, c.messages) for c in prompts]
     base = build_drafter(cfg.drafter, target, dtype=cfg.dtype, draft_length="fixed", precision=cfg.drafter_precision)
-    shapes = candidate_shapes(cfg.depths, cfg.topks, cfg.totals, cfg.chains)
+    shapes = fitting(base, candidate_shapes(cfg.depths, cfg.topks, cfg.totals, cfg.chains))
     if not shapes:
         raise ConfigError("no tree shape or chain to try", hint="give --depths/--topks/--totals or --chains")
     for shape in shapes:

@@ -212,6 +212,17 @@ def candidate_shapes(
     return shapes
 
 
+def fitting(drafter: Drafter, shapes: list[TreeShape]) -> list[TreeShape]:
+    """The shapes `drafter` can draft: a DFlash block holds B - 1 draft positions, so deeper ones are left out."""
+    from draftsmith.drafters import learned_drafter
+    from draftsmith.drafters.dflash import DFlashDrafter
+
+    learned = learned_drafter(drafter)
+    if not isinstance(learned, DFlashDrafter):
+        return shapes
+    return [shape for shape in shapes if shape.depth < learned.block_size]
+
+
 def tune(
     target: Target,
     make_drafter: Callable[[TreeShape], Drafter],
@@ -346,7 +357,7 @@ def resolve_tree(
         target,
         lambda shape: with_tree(base, shape),
         [encode_chat(target.tokenizer, c.messages) for c in prompts],
-        candidate_shapes(*DEFAULT_GRID),
+        fitting(base, candidate_shapes(*DEFAULT_GRID)),
         64,
         log=lambda line: None,
     )

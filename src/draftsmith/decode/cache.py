@@ -11,13 +11,14 @@ def rollback(cache: Cache, keep: int) -> None:
         cache.crop(-extra)
 
 
+@torch.inference_mode()  # the forwards that filled the cache made inference tensors: only updated in this mode
 def compact(cache: Cache, keep: int, rows: list[int]) -> None:
     """After a tree was verified: keep the first `keep` positions, then the entries at `rows` (cache indices of
-    the accepted path, ascending), and drop the rest, so the cache reads as if the path had been a chain."""
-    if rows == list(range(keep, keep + len(rows))):  # the path is already in place: a plain crop
-        rollback(cache, keep + len(rows))
-        return
-    for layer in cache.layers:
-        index = torch.cat([torch.arange(keep), torch.tensor(rows, dtype=torch.long)]).to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, index)
-        layer.values = layer.values.index_select(-2, index)
+    the accepted path, ascending), and drop the rest, so the cache reads as if the path had been a chain. Only the
+    path's rows move (copying the whole cache cost ~9 % of a SmolLM2 step on a CPU at 300 positions)."""
+    if rows != list(range(keep, keep + len(rows))):  # else the path is already in place: a plain crop
+        for layer in cache.layers:
+            index = torch.tensor(rows, dtype=torch.long, device=layer.keys.device)
+            layer.keys[..., keep : keep + len(rows), :] = layer.keys.index_select(-2, index)
+            layer.values[..., keep : keep + len(rows), :] = layer.values.index_select(-2, index)
+    rollback(cache, keep + len(rows))

@@ -7,7 +7,16 @@ from draftsmith.drafters.budget import DraftBudget
 from draftsmith.errors import ConfigError
 from draftsmith.target import Target, load_target
 
-__all__ = ["BUILTIN_HINT", "Draft", "Drafter", "NullDrafter", "builtin_drafter", "fixed_twin", "with_tree"]
+__all__ = [
+    "BUILTIN_HINT",
+    "Draft",
+    "Drafter",
+    "NullDrafter",
+    "builtin_drafter",
+    "fixed_twin",
+    "learned_drafter",
+    "with_tree",
+]
 
 BUILTIN_HINT = (
     "use ngram, ngram:MIN-MAX, model:<hub id or directory>, none, dflash:DIR, or an EAGLE-3 run/checkpoint directory"
@@ -49,9 +58,11 @@ def builtin_drafter(
 
 
 def with_tree(drafter: Drafter, shape: TreeShape | None) -> Drafter:
-    """Make a tree-capable drafter (EAGLE-3, n-gram) draft trees of `shape` from its next `begin` on: chains of
-    `shape.depth` tokens when its top-k is 1, as before when None. EAGLE-3 keeps its budget: a fixed one verifies
-    the whole tree (or chain), an adaptive one the part that pays."""
+    """Make a tree-capable drafter (EAGLE-3, DFlash, n-gram) draft trees of `shape` from its next `begin` on: chains
+    of `shape.depth` tokens when its top-k is 1, as before when None. EAGLE-3 and DFlash keep their budget: a fixed
+    one verifies the whole tree (or chain), an adaptive one the part that pays. A DFlash shape is at most its block's
+    B - 1 positions deep."""
+    from draftsmith.drafters.dflash import DFlashDrafter
     from draftsmith.drafters.eagle3 import Eagle3Drafter
     from draftsmith.drafters.merged import MergedDrafter
     from draftsmith.drafters.ngram import NgramDrafter
@@ -61,15 +72,25 @@ def with_tree(drafter: Drafter, shape: TreeShape | None) -> Drafter:
     if isinstance(drafter, MergedDrafter):  # the shape is the first part's; the others add their proposals
         with_tree(drafter.parts[0], shape)
         return drafter
-    if not isinstance(drafter, Eagle3Drafter | NgramDrafter):
-        raise ConfigError(f"drafter {drafter.name} cannot draft trees", hint="use an EAGLE-3 or n-gram drafter")
+    if not isinstance(drafter, Eagle3Drafter | DFlashDrafter | NgramDrafter):
+        raise ConfigError(f"drafter {drafter.name} cannot draft trees", hint="use an EAGLE-3, DFlash or n-gram drafter")
     if isinstance(drafter, Eagle3Drafter):
         shape.check_vocab(drafter.model.config.draft_vocab_size)
+    if isinstance(drafter, DFlashDrafter):
+        ids = drafter.draft_ids
+        shape.check_vocab(drafter.model.config.vocab_size if ids is None else len(ids))
+        if shape.depth >= drafter.block_size:
+            raise ConfigError(
+                f"tree depth {shape.depth} is deeper than the {drafter.block_size - 1} draft positions of this DFlash "
+                f"drafter's blocks (block size {drafter.block_size})",
+                hint=f"use depth <= {drafter.block_size - 1}",
+            )
     drafter.tree = None if shape.is_chain else shape
     return drafter
 
 
-def _learned_part(drafter: Drafter) -> Drafter:
+def learned_drafter(drafter: Drafter) -> Drafter:
+    """The first part of a merged drafter (the one a tree shape and the draft length apply to), else `drafter`."""
     from draftsmith.drafters.merged import MergedDrafter
 
     return drafter.parts[0] if isinstance(drafter, MergedDrafter) else drafter
@@ -84,7 +105,7 @@ def fixed_twin(drafter: Drafter) -> Drafter | None:
     from draftsmith.drafters.merged import MergedDrafter
 
     merged = isinstance(drafter, MergedDrafter)
-    learned = _learned_part(drafter)
+    learned = learned_drafter(drafter)
     if not isinstance(learned, Eagle3Drafter | DFlashDrafter) or (learned.budget.is_fixed and not merged):
         return None
     if isinstance(learned, DFlashDrafter):
@@ -94,13 +115,13 @@ def fixed_twin(drafter: Drafter) -> Drafter | None:
 
 def drafter_precision(drafter: Drafter) -> str | None:
     """The precision an EAGLE-3 drafter (alone or the learned part of a merge) drafts at; None for the others."""
-    return getattr(_learned_part(drafter), "precision", None)
+    return getattr(learned_drafter(drafter), "precision", None)
 
 
 def drafter_costs(drafter: Drafter) -> dict | None:
     """The costs an adaptive EAGLE-3 or DFlash budget measured on this machine at load (in plain decode steps), for the
     report: a speed-up is read against them. None for fixed chains and other drafters."""
-    budget = getattr(_learned_part(drafter), "budget", None)
+    budget = getattr(learned_drafter(drafter), "budget", None)
     if budget is None or budget.is_fixed:
         return None
     return {"forward_costs": [round(c, 3) for c in budget.forward_costs], "step_cost": round(budget.step_cost, 3)}

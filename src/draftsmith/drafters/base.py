@@ -35,6 +35,18 @@ class Draft:
     def empty(cls) -> "Draft":
         return cls(torch.empty(0, dtype=torch.long))
 
+    @classmethod
+    def from_tree(cls, tokens: torch.Tensor, parents: list[int], keep: list[int]) -> "Draft":
+        """The nodes `keep` (ascending, parents kept before their children) of a grown tree with `tokens` and
+        `parents`, renumbered; verified without a tree mask when they form a chain."""
+        if not keep:
+            return cls.empty()
+        new_index = {old: new for new, old in enumerate(keep)}
+        kept_parents = torch.tensor([new_index.get(parents[i], -1) for i in keep], dtype=torch.long)
+        if torch.equal(kept_parents, torch.arange(len(keep)) - 1):
+            return cls(tokens[keep])
+        return cls(tokens[keep], parents=kept_parents)
+
 
 class Drafter(Protocol):
     name: str

@@ -30,12 +30,15 @@ of the truth.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from draftsmith.decode.tree import children
 
 
 def linear_costs(verify_cost: float, token_cost: float, length: int = 9) -> tuple[float, ...]:
@@ -135,6 +138,51 @@ class DraftBudget:
         for c, hit in zip(confidences, matches, strict=True):
             self.confidence = self.decay * self.confidence + c
             self.matched = self.decay * self.matched + hit
+
+    def tree_reach(self, parents: list[int], confidences: list[float]) -> list[float]:
+        """Each tree node's calibrated chance of being accepted: its parent's, times its own calibrated confidence
+        (siblings exclude each other, so a tree's expected accepted tokens is the sum over its nodes)."""
+        reach: list[float] = []
+        for parent, confidence in zip(parents, confidences, strict=True):
+            reach.append(self.reach(reach[parent] if parent >= 0 else 1.0, confidence))
+        return reach
+
+    def choose_tree(
+        self, parents: list[int], scores: list[float], total: int, steps: int
+    ) -> tuple[list[int], list[float]]:
+        """Which of a grown tree's nodes to verify (ascending: parents before children) and every node's own
+        confidence (to score the tree later, `record_tree`). Fixed: the best `total` by cumulative draft
+        log-probability `scores`. Adaptive: by calibrated chance of acceptance, as many of the best as give the most
+        expected tokens per unit of forward (none when a plain step does better), so a confident round verifies a
+        short chain on the cheap row counts and an unsure one pays for siblings only where they pay; the drafter's
+        `steps` were spent on growing it."""
+        confidences = node_confidences(parents, scores)
+        if self.is_fixed:
+            return sorted(sorted(range(len(scores)), key=lambda i: (-scores[i], i))[:total]), confidences
+        reach = self.tree_reach(parents, confidences)
+        best = sorted(range(len(reach)), key=lambda i: (-reach[i], i))[:total]  # parents before children
+        count = self.best_length([reach[i] for i in best])
+        self.settle(count > 0 and self.pays(sum(reach[i] for i in best[:count]), count, steps=steps))
+        return sorted(best[:count]), confidences
+
+    def record_tree(self, drafted: list[int], parents: list[int], confidences: list[float], written: list[int]) -> None:
+        """Score a tree, verified or not, against what the target then wrote from its root: below each node of the
+        written path every child is decided (the one with the written token matched, its siblings did not)."""
+        kids = children(torch.tensor(parents, dtype=torch.long))
+        row, level, decided, matches = 0, 0, [], []
+        while level < len(written) and kids[row]:
+            hit = next((c for c in kids[row] if drafted[c] == written[level]), None)
+            decided += [confidences[c] for c in kids[row]]
+            matches += [c == hit for c in kids[row]]
+            if hit is None:
+                break
+            row, level = hit + 1, level + 1
+        self.record(decided, matches)
+
+
+def node_confidences(parents: list[int], scores: list[float]) -> list[float]:
+    """Each tree node's own draft probability, from the cumulative log-probabilities of it and its parent."""
+    return [math.exp(s - (scores[p] if p >= 0 else 0.0)) for s, p in zip(scores, parents, strict=True)]
 
 
 @dataclass(frozen=True)

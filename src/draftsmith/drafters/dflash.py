@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
+from draftsmith.decode.tree import TreeShape
 from draftsmith.drafters.base import Draft
 from draftsmith.drafters.budget import DraftBudget
 from draftsmith.drafters.eagle3 import CONFIG_FILE, MLP, RMSNorm, layer_shape, rope_tables, rotate, save_drafter
@@ -275,9 +276,16 @@ class DFlashDrafter:
     the most expected tokens per verify forward, from each position's confidence: on a CPU a forward over 8 tokens
     costs more than one over 2, and the block's late positions are rarely right."""
 
-    def __init__(self, model: DFlashModel, name: str = ALGORITHM, budget: DraftBudget | None = None) -> None:
+    def __init__(
+        self,
+        model: DFlashModel,
+        name: str = ALGORITHM,
+        budget: DraftBudget | None = None,
+        tree: TreeShape | None = None,
+    ) -> None:
         self.name = name
         self.budget = budget or DraftBudget.fixed()
+        self.tree = tree  # draft trees of this shape over each block (`block_tree`); None: the block as a chain
         self.model = model.eval()
         self.draft_ids: torch.Tensor | None = getattr(model, "draft_ids", None)
         self.head = model.lm_head
@@ -301,6 +309,7 @@ class DFlashDrafter:
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer, context positions only
         self.context = 0
         self.last_chain: tuple[int, list[int], list[float]] | None = None  # (start, tokens, confidences)
+        self.last_tree: tuple[int, list[int], list[int], list[float]] | None = None  # (start, tokens, parents, conf.)
         self.pending: list[torch.Tensor] = [] if features is None else [features]
 
     def _extend_context(self) -> None:
@@ -339,6 +348,9 @@ class DFlashDrafter:
         if self.last_chain is not None:  # calibrate the budget on what the target wrote after the last block
             start, chain, confidences = self.last_chain
             self.budget.record_chain(chain, tokens[start : start + len(chain)].tolist(), confidences)
+            self.last_chain = None
+        if self.tree is not None:
+            return self._tree_draft(tokens, max_tokens)
         with torch.inference_mode():
             logits = self.head(self._block(tokens, count)).float().cpu()
         ids = None if self.draft_ids is None else self.draft_ids.cpu()
@@ -365,6 +377,24 @@ class DFlashDrafter:
             return Draft.empty()
         return Draft(drafted[:keep], None if q is None else q[:keep])
 
+    def _tree_draft(self, tokens: torch.Tensor, max_tokens: int) -> Draft:
+        """A tree over one block forward (`block_tree`); the budget verifies the part it chooses, a fixed one the
+        best `total` nodes. Its nodes are deterministic picks, which sampling verification handles (decode/tree.py)."""
+        if self.last_tree is not None:
+            start, drafted, parents, confidences = self.last_tree
+            self.budget.record_tree(drafted, parents, confidences, tokens[start:].tolist())
+            self.last_tree = None
+        depth = min(self.tree.depth, max_tokens, self.block_size - 1)
+        with torch.inference_mode():
+            logits = self.head(self._block(tokens, depth)).float().cpu()
+        ids, parents, scores = block_tree(torch.log_softmax(logits, dim=-1), self.tree.topk)
+        if self.draft_ids is not None:
+            ids = self.draft_ids.cpu()[ids]
+        keep, confidences = self.budget.choose_tree(parents, scores, min(self.tree.total, max_tokens), steps=1)
+        if not self.budget.is_fixed:
+            self.last_tree = (len(tokens), ids.tolist(), parents, confidences)  # scored on the next call
+        return Draft.from_tree(ids, parents, keep)
+
     def step_probe(self, context: int = 128) -> Callable[[], None]:
         """One block forward (and its head) over a `context`-position cache, as a callable: what the budget times
         at load as the drafter's cost per round."""
@@ -385,6 +415,26 @@ class DFlashDrafter:
         """The confirmed positions' features join the context next round; the block left no state to roll back."""
         if features is not None:
             self.pending.append(features)
+
+
+def block_tree(logp: torch.Tensor, topk: int) -> tuple[torch.Tensor, list[int], list[float]]:
+    """EAGLE-2's tree shape over a block's log-probabilities `logp` (depth, V): position 1's top-k are the root's
+    children; at each further position the top-k nodes of the level above by cumulative log-probability (the
+    frontier) each get that position's top-k tokens as children. A block drafts every position at once from the
+    context alone, so a node's children do not depend on its path (Medusa's trees; no drafter step per level).
+    Returns (vocabulary ids, parents, cumulative log-probabilities) in topological order, siblings best first."""
+    k = min(topk, logp.shape[-1])
+    top_scores, top_ids = logp.topk(k, dim=-1)
+    scores, ids, parents = [top_scores[0]], [top_ids[0]], [torch.full((k,), -1)]
+    frontier, count = torch.arange(k), k
+    for level in range(1, len(logp)):
+        children = (torch.cat(scores)[frontier, None] + top_scores[level][None]).flatten()
+        scores.append(children)
+        ids.append(top_ids[level].repeat(len(frontier)))
+        parents.append(frontier.repeat_interleave(k))
+        frontier = count + children.topk(min(k, len(children))).indices
+        count += len(children)
+    return torch.cat(ids), torch.cat(parents).tolist(), torch.cat(scores).tolist()
 
 
 def build_model(config: DFlashConfig, state: dict[str, torch.Tensor], target: Target) -> DFlashModel:

@@ -24,7 +24,6 @@ an engine's sliding window is: the two differ only for contexts longer than W - 
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -37,10 +36,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from draftsmith.decode.tree import TreeShape
-from draftsmith.decode.tree import children as tree_children
 from draftsmith.decode.tree import depths as tree_depths
 from draftsmith.drafters.base import Draft
-from draftsmith.drafters.budget import DraftBudget
+from draftsmith.drafters.budget import DraftBudget, node_confidences
 from draftsmith.errors import ConfigError, DraftsmithError
 from draftsmith.packed import can_quantize, pack_linears, quantize_linears
 from draftsmith.store import default_aux_layers
@@ -544,39 +542,15 @@ class Eagle3Drafter:
         return Draft(torch.stack(drafted[:keep]).cpu(), probs)
 
     def _tree_draft(self, start: int, max_tokens: int) -> Draft:
-        """Grow a tree and choose the nodes to verify: with a fixed budget the best `total` by cumulative draft
-        log-probability; with an adaptive one, by calibrated chance of acceptance, as many of the best as give the
-        most expected tokens per unit of forward (none when a plain step does better), so a confident round
-        verifies a short chain on the cheap row counts and an unsure one pays for siblings only where they pay."""
+        """Grow a tree and verify the part the budget chooses (`DraftBudget.choose_tree`)."""
         tokens, parents, scores = self.grow_tree(max_tokens)
-        flat_parents, listed = parents.tolist(), scores.tolist()
+        flat_parents = parents.tolist()
+        steps = int(tree_depths(parents).max())
         total = min(self.tree.total, max_tokens)
-        if self.budget.is_fixed:
-            keep = sorted(sorted(range(len(listed)), key=lambda i: (-listed[i], i))[:total])
-        else:
-            confidences = node_confidences(flat_parents, listed)
+        keep, confidences = self.budget.choose_tree(flat_parents, scores.tolist(), total, steps)
+        if not self.budget.is_fixed:
             self.last_tree = (start, tokens.tolist(), flat_parents, confidences)  # scored on the next call
-            reach = self._tree_reach(flat_parents, confidences)
-            best = sorted(range(len(reach)), key=lambda i: (-reach[i], i))[:total]  # parents before children
-            count = self.budget.best_length([reach[i] for i in best])
-            expected = sum(reach[i] for i in best[:count])
-            self.budget.settle(count > 0 and self.budget.pays(expected, count, steps=int(tree_depths(parents).max())))
-            keep = sorted(best[:count])
-        if not keep:
-            return Draft.empty()
-        new_index = {old: new for new, old in enumerate(keep)}
-        kept_parents = torch.tensor([new_index.get(flat_parents[i], -1) for i in keep], dtype=torch.long)
-        if torch.equal(kept_parents, torch.arange(len(keep)) - 1):  # a chain: verified without a tree mask
-            return Draft(tokens[keep])
-        return Draft(tokens[keep], parents=kept_parents)
-
-    def _tree_reach(self, parents: list[int], confidences: list[float]) -> list[float]:
-        """Each node's calibrated chance of being accepted: its parent's, times its own calibrated confidence
-        (siblings exclude each other, so a tree's expected accepted tokens is the sum over its nodes)."""
-        reach: list[float] = []
-        for parent, confidence in zip(parents, confidences, strict=True):
-            reach.append(self.budget.reach(reach[parent] if parent >= 0 else 1.0, confidence))
-        return reach
+        return Draft.from_tree(tokens, flat_parents, keep)
 
     @torch.inference_mode()
     def grow_tree(self, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -632,27 +606,16 @@ class Eagle3Drafter:
         verify forward beyond the nodes already worth verifying."""
         if self.budget.is_fixed:
             return True
-        reach = self._tree_reach(parents, node_confidences(parents, scores.tolist()))
+        reach = self.budget.tree_reach(parents, node_confidences(parents, scores.tolist()))
         worth = self.budget.best_length(sorted(reach, reverse=True)[:total])
         return worth < total and self.budget.continues(max(reach[i] for i in frontier), worth)
 
     def _score_last_tree(self, tokens: torch.Tensor) -> None:
-        """Calibrate the budget on the last tree, verified or not: below each node of the path the target then wrote,
-        every child is decided (the one with the written token matched, its siblings did not)."""
+        """Calibrate the budget on the last tree, verified or not, against what the target then wrote."""
         if self.last_tree is None:  # none drafted since, or a fixed budget (nothing to calibrate)
             return
         start, drafted, parents, confidences = self.last_tree
-        written = tokens[start:].tolist()
-        kids = tree_children(torch.tensor(parents))
-        row, level, decided, matches = 0, 0, [], []
-        while level < len(written) and kids[row]:
-            hit = next((c for c in kids[row] if drafted[c] == written[level]), None)
-            decided += [confidences[c] for c in kids[row]]
-            matches += [c == hit for c in kids[row]]
-            if hit is None:
-                break
-            row, level = hit + 1, level + 1
-        self.budget.record(decided, matches)
+        self.budget.record_tree(drafted, parents, confidences, tokens[start:].tolist())
         self.last_tree = None
 
     def _score_last_chain(self, tokens: torch.Tensor) -> None:
@@ -699,11 +662,6 @@ class Eagle3Drafter:
         if features is not None:
             self._append(features)
         self.cache.crop(self.context)
-
-
-def node_confidences(parents: list[int], scores: list[float]) -> list[float]:
-    """Each tree node's own draft probability, from the cumulative log-probabilities of it and its parent."""
-    return [math.exp(s - (scores[p] if p >= 0 else 0.0)) for s, p in zip(scores, parents, strict=True)]
 
 
 def save_checkpoint(model: Eagle3Model, directory: str | Path) -> Path:

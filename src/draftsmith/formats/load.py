@@ -213,8 +213,8 @@ def build_drafter(
     SGLang / EAGLE / z-lab export, converted on load; `dflash:DIR` says which) or a built-in drafter
     (`builtin_drafter`). EAGLE-3 chains are cut where the next token stops paying for itself
     (`draft_length="adaptive"`, see drafters/budget.py) or always run to the full length ("fixed"). With a `tree`
-    shape, EAGLE-3 and n-gram drafters propose trees of that shape instead (a top-k of 1: a chain); an adaptive EAGLE-3
-    budget verifies the part of each tree that pays (`Eagle3Drafter._tree_draft`), a fixed one all of it.
+    shape, EAGLE-3, DFlash and n-gram drafters propose trees of that shape instead (a top-k of 1: a chain); an
+    adaptive budget verifies the part of each tree that pays (`DraftBudget.choose_tree`), a fixed one all of it.
     `A+B` (e.g. `RUN_DIR+ngram`) verifies both drafters' proposals as one tree; `A|B` lets B draft the rounds where
     it proposes and A the others (drafters/merged.py); the draft length, the tree shape and the EAGLE-3 weights'
     `precision` (float32 | int8) apply to the first."""

@@ -1,12 +1,15 @@
 """FSDP for the trainer, and full (unsharded) checkpoints whatever wrote them.
 
-`draftsmith train --fsdp` under torchrun shards the drafter with PyTorch's FSDP2 (`fully_shard`): each of the
-embedding (frozen, usually the largest tensor), `fc`, the decoder layer, the norm and the draft head is one unit
-whose parameters, gradients and optimiser states live 1/world on each rank and are gathered only while that unit
-runs. FSDP2 hooks module `forward`s, and the TTT loss calls several of the drafter's modules directly, so the root
-FSDP module is `ShardedLoss`, whose forward *is* the loss: every unit's all-gather and reduce-scatter then happen
-inside one root forward/backward, as FSDP requires. Gradients are summed, not averaged, over ranks (divide factor
-1), because each micro-batch loss is already divided by the global batch's token count (see trainer.py).
+`draftsmith train --fsdp` under torchrun shards the drafter with PyTorch's FSDP2 (`fully_shard`): parameters,
+gradients and optimiser states live 1/world on each rank and are gathered only while their unit runs. For EAGLE-3
+each of the embedding (frozen, usually the largest tensor), `fc`, the decoder layer, the norm and the draft head is
+a unit of its own. FSDP2 hooks module `forward`s, and the losses call the drafter's modules and methods directly, so
+the root FSDP module is `ShardedLoss`, whose forward *is* the objective's loss: every unit's all-gather and
+reduce-scatter then happen inside one root forward/backward, as FSDP requires. A DFlash drafter is one unit, the
+root: its layers' context keys/values come from a method, not a `forward`, and its loss reads the frozen head's
+rows directly, which only a unit gathered for the whole forward allows. Gradients are summed, not averaged, over
+ranks (divide factor 1), because each micro-batch loss is already divided by the global batch's token count (see
+trainer.py).
 
 Checkpoints hold full tensors in the layout of a one-process run (model weights as `save_checkpoint` writes them,
 `optimizer.state_dict()` with positional parameter ids): `full_*` gather them (collectives: every rank calls,
@@ -23,34 +26,40 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from draftsmith.drafters.dflash import DFlashModel
 from draftsmith.drafters.eagle3 import Eagle3Model
-from draftsmith.train.losses import ttt_loss
+from draftsmith.train.losses import DFlashObjective, TTTObjective
 from draftsmith.train.metrics import StepStats
 
 
 class ShardedLoss(nn.Module):
-    """The root FSDP module: its forward is the TTT loss of one micro-batch."""
+    """The root FSDP module: its forward is the objective's loss of one micro-batch."""
 
-    def __init__(self, model: Eagle3Model, target_head: torch.Tensor, steps: int, step_weight: float) -> None:
+    def __init__(
+        self, model: Eagle3Model | DFlashModel, target_head: torch.Tensor, objective: TTTObjective | DFlashObjective
+    ) -> None:
         super().__init__()
         self.model = model
         self.head = target_head  # a plain attribute: the frozen target head is neither sharded nor checkpointed
-        self.steps, self.step_weight = steps, step_weight
+        self.objective = objective
 
     def forward(self, batch: dict[str, torch.Tensor], denominators: torch.Tensor) -> tuple[torch.Tensor, StepStats]:
-        return ttt_loss(self.model, batch, self.head, self.steps, self.step_weight, denominators)
+        return self.objective(self.model, batch, self.head, denominators)
 
 
-def shard(model: Eagle3Model, target_head: torch.Tensor, steps: int, step_weight: float) -> ShardedLoss:
+def shard(
+    model: Eagle3Model | DFlashModel, target_head: torch.Tensor, objective: TTTObjective | DFlashObjective
+) -> ShardedLoss:
     """Shard `model` in place over all ranks of the default process group; returns the root to call for the loss."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     device = target_head.device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for unit in (model.embed_tokens, model.fc, model.midlayer, model.norm, model.lm_head):
-        fully_shard(unit, mesh=mesh)
-    root = fully_shard(ShardedLoss(model, target_head, steps, step_weight), mesh=mesh)
+    if isinstance(model, Eagle3Model):
+        for unit in (model.embed_tokens, model.fc, model.midlayer, model.norm, model.lm_head):
+            fully_shard(unit, mesh=mesh)
+    root = fully_shard(ShardedLoss(model, target_head, objective), mesh=mesh)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum over ranks: the losses are already global means

@@ -159,8 +159,6 @@ def train(
         check_dataset(dataset, model_config)
         seed_everything(cfg.seed)
         if isinstance(model_config, DFlashConfig):
-            if cfg.fsdp and world > 1:
-                raise ConfigError("--fsdp does not train DFlash drafters yet", hint="use DDP (drop --fsdp)")
             model = DFlashModel(model_config).attach(embed_weight, target_head)
             if model_config.draft_vocab_size is not None and d2t is not None:
                 model.draft_ids.copy_(torch.arange(len(d2t)) + d2t.long().cpu())
@@ -213,7 +211,7 @@ class Trainer:
         if cfg.fsdp and self.world > 1:
             from draftsmith.train.distributed import shard
 
-            self.sharded = shard(self.model, self.head, cfg.ttt_steps, cfg.step_weight)
+            self.sharded = shard(self.model, self.head, self.objective)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if cfg.optimizer == "muon" and self.sharded is not None:
             raise ConfigError("optimizer muon is not supported with --fsdp yet", hint="use AdamW or DDP")
@@ -404,7 +402,7 @@ class Trainer:
         if self.sharded is not None:  # gather full tensors on every rank (collectives); rank 0 writes them
             from draftsmith.train import distributed
 
-            model = Eagle3Model(self.model.config)  # FSDP trains EAGLE-3 only
+            model = type(self.model)(self.model.config)
             model.load_state_dict(distributed.full_model_state(self.model))
             optimizer_state = distributed.full_optimizer_state(self.optimizer)
         if self.rank == 0:
