@@ -159,12 +159,24 @@ def eagle3(seed: int, shape: tree.TreeShape | None):
     return target, Eagle3Drafter(make_model(target, seed=seed), tree=shape)
 
 
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("shape", ["depth=1,topk=3,total=3", "depth=3,topk=2,total=6", "depth=5,topk=4,total=16"])
-def test_eagle3_greedy_tree_equals_generate(seed, shape):
+def dflash(seed: int, shape: tree.TreeShape | None, block_size: int = 8, budget: DraftBudget | None = None):
+    from draftsmith.drafters.dflash import DFlashDrafter
+    from tests.test_dflash import make_model
+
+    target = tiny_target(seed, vocab_size=12 if seed % 2 else 96)  # a small vocabulary: some paths accepted
+    return target, DFlashDrafter(make_model(target, block_size, seed=seed), budget=budget, tree=shape)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [(make, shape) for make in (eagle3, dflash) for shape in ("depth=1,topk=3,total=3", "depth=3,topk=2,total=6")]
+    + [(eagle3, "depth=5,topk=4,total=16"), (dflash, "depth=7,topk=4,total=16")],  # a DFlash block of 8: depth <= 7
+)
+def test_learned_greedy_tree_equals_generate(make, seed, shape):
     shape = tree.TreeShape.parse(shape)
-    target, drafter = eagle3(seed, shape)
-    prompt = [0] + torch.randint(2, 90, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+    target, drafter = make(seed, shape)
+    prompt = [0] + torch.randint(2, 12, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
     out = SpeculativeDecoder(target, drafter, shape.total).generate(prompt, 40)
     assert out.tokens == reference(target, prompt, 40)
 
@@ -294,24 +306,6 @@ def test_ngram_tree_is_lossless(seed):
     truth = reference(target, prompt, 40)
     drafter = NgramDrafter(budget=DraftBudget.fixed(), tree=tree.TreeShape(4, 3, 10))
     assert SpeculativeDecoder(target, drafter, 10).generate(prompt, 40).tokens == truth
-
-
-def dflash(seed: int, shape: tree.TreeShape, block_size: int = 8, budget: DraftBudget | None = None):
-    from draftsmith.drafters.dflash import DFlashDrafter
-    from tests.test_dflash import make_model
-
-    target = tiny_target(seed, vocab_size=12 if seed % 2 else 96)  # a small vocabulary: some paths accepted
-    return target, DFlashDrafter(make_model(target, block_size, seed=seed), budget=budget, tree=shape)
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("shape", ["depth=1,topk=3,total=3", "depth=3,topk=2,total=6", "depth=7,topk=4,total=16"])
-def test_dflash_greedy_tree_equals_generate(seed, shape):
-    shape = tree.TreeShape.parse(shape)
-    target, drafter = dflash(seed, shape)
-    prompt = [0] + torch.randint(2, 12, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
-    out = SpeculativeDecoder(target, drafter, shape.total).generate(prompt, 40)
-    assert out.tokens == reference(target, prompt, 40)
 
 
 @pytest.mark.parametrize("seed", range(3))
