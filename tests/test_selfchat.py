@@ -37,6 +37,17 @@ def chats(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def assert_recorded_top_is_the_targets_argmax(target, recorded, sid, ids, mask):
+    """The argmax recorded as the target wrote is there for every position whose next token is trained on, and it
+    is the target's own over its whole vocabulary (a fresh forward; near-ties, which batching may flip, skipped)."""
+    top = recorded.target_top(sid, len(ids))
+    assert top is not None and bool((top[:-1] >= 0)[torch.tensor(mask[1:], dtype=torch.bool)].all())
+    logits = target.forward(torch.tensor(ids), target.new_cache()).logits
+    best = logits.topk(2, dim=-1).values
+    clear = (top >= 0) & (best[:, 0] - best[:, 1] > 1e-3)
+    assert clear.sum() > len(ids) // 2 and torch.equal(top[clear].long(), logits.argmax(-1)[clear])
+
+
 def test_replies_are_the_targets_greedy_output_for_the_chat_so_far(tmp_path):
     target = chat_target(seed=3)
     template = Template(target)
@@ -200,6 +211,7 @@ def test_recorded_states_are_the_targets_own_for_exactly_the_tokens_it_wrote(tmp
         aux, last = recorded.features(chat["id"], torch.tensor(ids, dtype=torch.int32))
         torch.testing.assert_close(aux, fresh.aux_hidden, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(last, fresh.last_hidden, atol=1e-4, rtol=1e-4)
+        assert_recorded_top_is_the_targets_argmax(target, recorded, chat["id"], ids, mask)
         assert recorded.features(chat["id"], torch.tensor(ids[:-1] + [ids[-1] ^ 1], dtype=torch.int32)) is None
     other = Recording(target.fingerprint(), (0, 1, 2), "transformers")
     [refusal] = recorded.keep_only(other)
@@ -250,6 +262,7 @@ def test_regeneration_records_the_states_of_every_token_the_target_read(tmp_path
         aux, last = recorded.features(conv["id"], torch.tensor(ids, dtype=torch.int32))
         torch.testing.assert_close(aux, fresh.aux_hidden, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(last, fresh.last_hidden, atol=1e-4, rtol=1e-4)
+        assert_recorded_top_is_the_targets_argmax(target, recorded, conv["id"], ids, mask)
     replies = [m for c in chats(out) for m in c["messages"] if m["role"] == "assistant"]
     assert len(replies) == 10 and 0 < sum(m["truncated"] for m in replies) < 10  # stopped and cut replies
 
@@ -308,6 +321,7 @@ def test_extract_copies_recorded_states_and_stores_what_a_second_pass_would(tmp_
 
     monkeypatch.setattr(TransformersBackend, "features", counted)
     copied = HiddenStateStore(stages.extract(ExtractConfig(dtype="float32"), recorded_dir, tmp_path / "s1", target))
+    recorded = RecordedFeatures(recorded_dir / "chat.features", recorded_dir / "regenerated.features")
     assert not computed and copied.manifest["recorded_samples"] == 5
     again = HiddenStateStore(stages.extract(ExtractConfig(dtype="float32"), plain_dir, tmp_path / "s2", target))
     assert len(computed) == 5
@@ -320,6 +334,8 @@ def test_extract_copies_recorded_states_and_stores_what_a_second_pass_would(tmp_
         assert torch.equal(a["loss_mask"][:n], b["loss_mask"][:n])
         torch.testing.assert_close(a["aux_hidden"][:n], b["aux_hidden"][:n], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(a["last_hidden"][:n], b["last_hidden"][:n], atol=1e-4, rtol=1e-4)
+        assert torch.equal(a["target_top"], recorded.target_top(copied.sample_id(i), len(a["input_ids"])).long())
+        assert "target_top" not in b  # computed by a second pass: training computes it
     other = stages.extract(ExtractConfig(dtype="float32", layers=(0, 1)), recorded_dir, tmp_path / "s3", target)
     assert len(computed) == 5 + 5 and "recorded_samples" not in HiddenStateStore(other).manifest
 

@@ -95,6 +95,22 @@ def test_loss_decreases_on_a_tiny_overfit_set(tmp_path):
     assert result.steps == 60 and result.val is None
 
 
+def test_a_recorded_argmax_spares_the_full_head_and_gives_the_same_metrics(tmp_path, monkeypatch):
+    """Samples whose store holds the target's argmax (recorded by the data stage) train without the full-vocabulary
+    head and log what computing it logs; a sample missing one where it is needed (-1) is computed."""
+    _, data, weights, config = setup(count=6)
+    cfg = TrainConfig(max_steps=4, batch_size=2, ttt_steps=2, eval_every=2, val_fraction=0.34)
+    run(cfg, data, weights, config, tmp_path / "computed")
+    head = weights[0]
+    recorded = [s | {"target_top": trainer_module.target_top(s["last_hidden"], head)} for s in data]
+    recorded[0]["target_top"][:-1][recorded[0]["loss_mask"][1:].bool()] = -1  # not recorded where needed
+    computed, real = [], trainer_module.target_top
+    monkeypatch.setattr(trainer_module, "target_top", lambda *args: computed.append(1) or real(*args))
+    run(cfg, recorded, weights, config, tmp_path / "recorded")
+    assert len(computed) == 1  # sample 0 only, once
+    assert curve(tmp_path / "recorded") == curve(tmp_path / "computed")
+
+
 def test_files_written_and_checkpoint_loads(tmp_path):
     target, data, weights, config = setup(count=8)
     cfg = TrainConfig(max_steps=5, batch_size=2, ttt_steps=2, checkpoint_every=2, eval_every=2, val_fraction=0.25)

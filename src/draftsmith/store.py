@@ -15,6 +15,9 @@ Each shard holds its samples concatenated along the token axis (T = tokens in th
                                       (layer id 0 = the embedding output; see `draftsmith.target`), concatenated
     last_hidden  (T, H)       dtype   the target's final normed hidden state; `lm_head(last_hidden[t])` gives the
                                       target's logits for the token after position t
+    target_top   (T,)         int32   optional: the target's argmax over its vocabulary at position t, as recorded
+                                      while it wrote the data (-1 where it was not computed); saves training the
+                                      full-vocabulary head its accuracy metric needs
     offsets      (S+1,)       int64   sample j is rows offsets[j] : offsets[j+1]
 
 The safetensors metadata of every shard (one key, "draftsmith", holding a JSON object) repeats what it was made
@@ -127,8 +130,9 @@ class Recording:
                 "engine": self.engine}  # fmt: skip
 
 
-RecordedSample = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-"""(sample id, input_ids int32 (T,), loss_mask uint8 (T,), aux_hidden (T, n*H), last_hidden (T, H))."""
+RecordedSample = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""(sample id, input_ids int32 (T,), loss_mask uint8 (T,), aux_hidden (T, n*H), last_hidden (T, H), target_top
+int32 (T,), -1 where the target computed no logits)."""
 
 
 def write_recorded(path: Path, samples: Sequence[RecordedSample], recording: Recording) -> None:
@@ -183,6 +187,11 @@ class RecordedFeatures:
         if n > b - a or not torch.equal(f.get_slice("input_ids")[a : a + n], ids):
             return None
         return f.get_slice("aux_hidden")[a : a + n], f.get_slice("last_hidden")[a : a + n]
+
+    def target_top(self, sid: str, n: int) -> torch.Tensor | None:
+        """The target's recorded argmax over the first `n` tokens, or None when this file has none (older data)."""
+        f, a, _ = self._rows(sid)
+        return f.get_slice("target_top")[a : a + n] if _holds(f, "target_top") else None
 
     def _rows(self, sid: str) -> tuple[Any, int, int]:
         path, j = self.index[sid]
@@ -317,8 +326,9 @@ def extract(
         computed = iter(backend.features(missing, ids) if missing else ())
         for (sid, ids_t, mask_t), k in zip(todo, known, strict=True):
             aux, last = k if k is not None else next(computed)
+            top = recorded.target_top(sid, len(ids_t)) if k is not None else None
             pending.append((sid, ids_t, mask_t, aux.to("cpu", store_dtype).contiguous(),
-                            last.to("cpu", store_dtype).contiguous()))  # fmt: skip
+                            last.to("cpu", store_dtype).contiguous(), top))  # fmt: skip
             copied += k is not None
             new_tokens += len(ids_t)
             bar.advance(task)
@@ -416,15 +426,20 @@ def _shard_name(index: int) -> str:
 
 
 def _shard_tensors(pending) -> dict[str, torch.Tensor]:
-    """(sample id, ids, mask, aux, last) per sample -> the tensors of a shard, samples concatenated."""
+    """(sample id, ids, mask, aux, last, top or None) per sample -> the tensors of a shard, samples concatenated;
+    `target_top` only when some sample has one (the others' are -1: not computed)."""
     lengths = torch.tensor([len(p[1]) for p in pending], dtype=torch.int64)
-    return {
+    tensors = {
         "input_ids": torch.cat([p[1] for p in pending]),
         "loss_mask": torch.cat([p[2] for p in pending]),
         "aux_hidden": torch.cat([p[3] for p in pending]),
         "last_hidden": torch.cat([p[4] for p in pending]),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
     }
+    if any(p[5] is not None for p in pending):
+        tops = [torch.full((len(p[1]),), -1, dtype=torch.int32) if p[5] is None else p[5] for p in pending]
+        tensors["target_top"] = torch.cat(tops).to(torch.int32)
+    return tensors
 
 
 def _write_shard(
@@ -545,6 +560,11 @@ def _existing_shards(out: Path, header: dict[str, str], target_name: str, backen
     return done
 
 
+def _holds(handle, name: str) -> bool:
+    """Does this open safetensors file hold tensor `name`? (`safe_open` has no `in`.)"""
+    return name in handle.keys()  # noqa: SIM118
+
+
 def _shard_metadata(handle) -> dict[str, str]:
     raw = (handle.metadata() or {}).get(META_KEY)
     return json.loads(raw) if raw else {}
@@ -612,7 +632,7 @@ class HiddenStateStore(Dataset):
     """A store written by `extract`, as a Dataset of per-sample dicts; shards are opened lazily (memory-mapped).
 
     Each item: `input_ids` (L,) int64, `loss_mask` (L,) bool, `aux_hidden` (L, n*H) and `last_hidden` (L, H) in
-    the store's dtype.
+    the store's dtype, and `target_top` (L,) int64 (-1 where unknown) when the shard recorded it.
     """
 
     def __init__(self, path: Path | str, require_complete: bool = True) -> None:
@@ -708,12 +728,15 @@ class HiddenStateStore(Dataset):
         offsets = self._shard_offsets(shard)
         j = index - self._starts[shard]
         a, b = offsets[j], offsets[j + 1]
-        return {
+        item = {
             "input_ids": f.get_slice("input_ids")[a:b].long(),
             "loss_mask": f.get_slice("loss_mask")[a:b].bool(),
             "aux_hidden": f.get_slice("aux_hidden")[a:b],
             "last_hidden": f.get_slice("last_hidden")[a:b],
         }
+        if _holds(f, "target_top"):
+            item["target_top"] = f.get_slice("target_top")[a:b].long()
+        return item
 
     def sample_id(self, index: int) -> str:
         shard = bisect.bisect_right(self._starts, index) - 1

@@ -141,25 +141,35 @@ class Target:
         return TargetOutput(logits=out.logits[0].float(), aux_hidden=aux, last_hidden=final)
 
     @contextmanager
-    def recording(self, layer_ids: tuple[int, ...]) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Every model forward inside the block appends (aux (batch, new, n*H), last (batch, new, H)) for its new
-        tokens to the list it yields: the states `forward` returns, caught as a batched generation runs, so the
-        tokens a target writes need no second pass to extract (`data/selfchat.py`). The final normed state is the
-        output of the base model's final norm (what `output_hidden_states[-1]` holds)."""
-        norm = getattr(getattr(self.model, self.model.base_model_prefix, self.model), "norm", None)
-        if not isinstance(norm, torch.nn.Module):
+    def recording(self, layer_ids: tuple[int, ...]) -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """Every model forward inside the block appends (aux (batch, new, n*H), last (batch, new, H), top (batch,
+        new)) for its new tokens to the list it yields: the states `forward` returns, caught as a batched generation
+        runs, so the tokens a target writes need no second pass to extract (`data/selfchat.py`). The final normed
+        state is the output of the base model's final norm (what `output_hidden_states[-1]` holds). `top` is the
+        target's argmax over its whole vocabulary where the forward computed logits (a decode step's token, a
+        prefill's last) and -1 elsewhere: the generation computes those logits anyway, and training's accuracy
+        metric would otherwise pay a full-vocabulary head per token (`train/trainer.py`)."""
+        base = getattr(self.model, self.model.base_model_prefix, self.model)
+        norm, head = getattr(base, "norm", None), self.model.get_output_embeddings()
+        if not isinstance(norm, torch.nn.Module) or not isinstance(head, torch.nn.Module):
             raise TargetError(
-                f"cannot find the final norm of {type(self.model).__name__}, so its states cannot be recorded",
+                f"cannot find the final norm and head of {type(self.model).__name__}, so its states cannot be recorded",
                 hint="extract the features in a second pass (leave data.record_features off)",
             )
         captured: dict[int, torch.Tensor] = {}
-        records: list[tuple[torch.Tensor, torch.Tensor]] = []
+        records: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
         def finish(module, args, output) -> None:
             records.append((torch.cat([captured[i] for i in layer_ids], dim=-1), output))
 
+        def argmax(module, args, logits) -> None:
+            aux, last = records[-1]
+            top = torch.full(last.shape[:2], -1, dtype=torch.int32, device=logits.device)
+            top[:, last.shape[1] - logits.shape[1] :] = logits.argmax(-1).to(torch.int32)
+            records[-1] = (aux, last, top)
+
         handles = [self.layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True) for i in layer_ids]
-        handles.append(norm.register_forward_hook(finish))
+        handles += [norm.register_forward_hook(finish), head.register_forward_hook(argmax)]
         try:
             yield records
         finally:

@@ -292,7 +292,7 @@ class _Job:
         self.fed: list[int] = []
         self.mask: list[int] = []
         self.forced: deque[tuple[int, int]] = deque()
-        self.states: list[tuple[torch.Tensor, torch.Tensor]] = []  # (aux, last) of the fed tokens, in chunks
+        self.states: list[tuple[torch.Tensor, ...]] = []  # (aux, last, top) of the fed tokens, in chunks
         self.recordable = True  # False once the row restarted on a re-tokenised history (its mask is not ours)
         self.done = False
 
@@ -356,12 +356,12 @@ class _Job:
         return token
 
     def sample(self) -> RecordedSample | None:
-        """(id, tokens, loss mask, aux, last) of everything the row fed for this conversation, when recorded."""
+        """(id, tokens, loss mask, aux, last, top) of everything the row fed for this conversation, when recorded."""
         if not (self.states and self.recordable):
             return None
-        aux, last = (torch.cat(parts) for parts in zip(*self.states, strict=True))
+        aux, last, top = (torch.cat(parts) for parts in zip(*self.states, strict=True))
         ids, mask = torch.tensor(self.fed, dtype=torch.int32), torch.tensor(self.mask, dtype=torch.uint8)
-        return self.cid, ids, mask, aux, last
+        return self.cid, ids, mask, aux, last, top
 
 
 def _regenerate_stream(
@@ -404,8 +404,8 @@ def _regenerate_stream(
     with torch.inference_mode(), batched_attention(target.model), target.recording(record.layer_ids) as states:
         decoder = StreamDecoder(target, first, max(map(len, first)) + max_new_tokens)
         if states:  # the prefill's, each row's after its left padding (kept in host memory until written)
-            for job, prompt, aux, last in zip(jobs, first, *(t.cpu() for t in states[0]), strict=True):
-                job.states.append((aux[-len(prompt) :], last[-len(prompt) :]))
+            for job, prompt, *row in zip(jobs, first, *(t.cpu() for t in states[0]), strict=True):
+                job.states.append(tuple(t[-len(prompt) :] for t in row))
         while jobs:
             writing = [i for i, job in enumerate(jobs) if not (job.forced or job.done)]
             chosen = dict(zip(writing, choose(decoder.logits[writing], temperature).tolist(), strict=True))
@@ -432,8 +432,8 @@ def _regenerate_stream(
             states.clear()
             decoder.step(feed, restart)
             if states:
-                for job, aux, last in zip(jobs, *(t.cpu() for t in states[0]), strict=True):
-                    job.states.append((aux, last))
+                for job, *row in zip(jobs, *(t.cpu() for t in states[0]), strict=True):
+                    job.states.append(tuple(row))
     stats.seconds = time.perf_counter() - began
 
 

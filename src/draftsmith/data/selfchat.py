@@ -220,7 +220,7 @@ def _write_batch(
     record: Recording | None = None,
 ) -> tuple[list[_Row], list[tuple[torch.Tensor, ...]]]:
     """One batch of chats, every row decoded for the same number of steps (no row ever leaves); with `record`, also
-    each row's (token ids, loss mask, aux states, final states) over every token fed to the target."""
+    each row's (token ids, loss mask, aux states, final states, the target's argmax) over every token it fed."""
     torch.manual_seed(rng.getrandbits(63))
     rows, prompts = [], []
     for kind in kinds:
@@ -257,11 +257,13 @@ def _write_batch(
                     learned[i].append(int(replying[i]))
     written = []
     if states:  # the prefill's states, then one per decode step: the row's tokens after its left padding
-        aux, last = (torch.cat(parts, dim=1) for parts in zip(*states, strict=True))
+        aux, last, top = (torch.cat(parts, dim=1) for parts in zip(*states, strict=True))
         for i, prompt in enumerate(prompts):
             pad = width - len(prompt)
             ids = torch.tensor(fed[i], dtype=torch.int32)
-            written.append((ids, torch.tensor(learned[i], dtype=torch.uint8), aux[i, pad:], last[i, pad:]))
+            written.append(
+                (ids, torch.tensor(learned[i], dtype=torch.uint8), aux[i, pad:], last[i, pad:], top[i, pad:])
+            )
     for row in rows:  # the turn in progress: a cut reply is kept (marked); a user message without a reply goes
         if row.role == "assistant" and row.turn:
             row.messages.append({"role": "assistant", "content": template.decode(row.turn), "truncated": True})
