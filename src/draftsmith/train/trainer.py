@@ -307,7 +307,7 @@ class Trainer:
         if self.cfg.all_positions and train:
             sample = sample | {"loss_mask": torch.ones_like(sample["loss_mask"])}
         recorded = sample.get("target_top")
-        if recorded is not None and bool((recorded[:-1] >= 0)[sample["loss_mask"][1:]].all()):
+        if recorded is not None and bool((recorded[:-1] >= 0)[sample["loss_mask"][1:].bool()].all()):
             return sample
         if index not in self.target_tops:
             self.target_tops[index] = target_top(sample["last_hidden"].to(self.device), self.top_head).cpu()
