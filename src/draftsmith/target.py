@@ -165,7 +165,7 @@ class Target:
         def argmax(module, args, logits) -> None:
             aux, last = records[-1]
             top = torch.full(last.shape[:2], -1, dtype=torch.int32, device=logits.device)
-            top[:, last.shape[1] - logits.shape[1] :] = logits.argmax(-1).to(torch.int32)
+            top[:, last.shape[1] - logits.shape[1] :] = logits.max(-1).indices  # bf16 argmax: 3x slower than max
             records[-1] = (aux, last, top)
 
         handles = [self.layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True) for i in layer_ids]
