@@ -1,13 +1,16 @@
-"""What a verify forward costs: target forward time by the number of new tokens, plain vs packed linear weights.
+"""What a verify forward costs: target forward time by the number of new tokens, for each linear-layer layout.
 
 The draft budget (`drafters/budget.py`) needs the cost of a forward over the last token + k drafts relative to a
 one-token forward (a plain decode step). On a CPU the target is memory-bound, so in theory k extra rows are nearly
 free; `F.linear` re-packing its weights for every multi-row call made them cost ~1.8-2x (measured here).
-`packed.py` packs them once.
+`packed.py` lays them out once, per row count for the fastest kernel. The arms:
+- `plain`: `nn.Linear` everywhere (`F.linear`);
+- `torch`: packed, choosing per row count between torch's own kernels only (`F.linear` and oneDNN's packed one);
+- `packed`: what draftsmith serves with: also draftsmith's row kernel (`kernels/rows.cpp`) where it is faster.
 
-Both targets run interleaved, on a KV cache of `--context` tokens, each forward cropped off again; medians over
-`--reps` rounds. `--bf16` adds a bfloat16 copy of the target (plain layers): on an AMX CPU its multi-row forwards are
-nearly flat, but its verify rounds differently from its one-token decode, so eval and serve stay float32. The script
+All run interleaved, on a KV cache of `--context` tokens, each forward cropped off again; medians over `--reps`
+rounds. `--bf16` adds a bfloat16 copy of the target (plain layers): on an AMX CPU its multi-row forwards are nearly
+flat, but its verify rounds differently from its one-token decode, so eval and serve stay float32. The script
 prints a measurement and always exits 0.
 
     .venv/bin/python benchmarks/verify_cost.py [--context 200] [--reps 9] [--bf16]
@@ -22,6 +25,7 @@ import time
 import torch
 
 from draftsmith.decode.cache import rollback
+from draftsmith.packed import PackedLinear, kernel_by_rows
 from draftsmith.target import Target, load_target
 
 NEW_TOKENS = (1, 2, 3, 4, 6, 8, 16, 32)
@@ -45,7 +49,12 @@ def main() -> int:
     parser.add_argument("--bf16", action="store_true", help="add a bfloat16 target column")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    targets = {"plain": load_target(args.target, packed=False), "packed": load_target(args.target)}
+    targets = {"plain": load_target(args.target, packed=False), "torch": load_target(args.target)}
+    torch_kernels = kernel_by_rows(("linear", "onednn"))
+    for layer in targets["torch"].model.modules():
+        if isinstance(layer, PackedLinear):
+            layer.kernels = torch_kernels
+    targets["packed"] = load_target(args.target)
     if args.bf16:
         targets["bf16"] = load_target(args.target, dtype="bfloat16", packed=False)
     prompt = torch.randint(0, targets["plain"].vocab_size, (args.context,))
@@ -60,16 +69,11 @@ def main() -> int:
                 times.setdefault((name, new), []).append(timed_forward(target, caches[name], args.context, new))
     median = {key: statistics.median(v) * 1e3 for key, v in times.items()}
     print(f"target forward on a {args.context}-token cache, {args.threads} threads, median of {args.reps} interleaved")
-    bf16 = " | bf16 ms | bf16 / its 1-token" if args.bf16 else ""
-    print(f"new tokens | plain ms | packed ms | plain / its 1-token | packed / its 1-token | plain / packed{bf16}")
+    print(f"kernel by input rows (packed): {kernel_by_rows()}")
+    print("new tokens | " + " | ".join(f"{name} ms | {name} / its 1-token" for name in targets) + " | torch / packed")
     for new in NEW_TOKENS:
-        p, q = median["plain", new], median["packed", new]
-        b = median.get(("bf16", new))
-        print(
-            f"{new:10d} | {p:8.1f} | {q:9.1f} | {p / median['plain', 1]:19.2f} | "
-            f"{q / median['packed', 1]:20.2f} | {p / q:14.2f}"
-            + (f" | {b:7.1f} | {b / median['bf16', 1]:18.2f}" if b is not None else "")
-        )
+        cells = [f"{median[name, new]:.1f} | {median[name, new] / median[name, 1]:.2f}" for name in targets]
+        print(f"{new:10d} | " + " | ".join(cells) + f" | {median['torch', new] / median['packed', new]:.2f}")
     return 0
 
 

@@ -6,7 +6,16 @@ import pytest
 import torch
 from torch import nn
 
-from draftsmith.packed import Int8Linear, PackedLinear, can_pack, pack_linears, quantize_linears
+from draftsmith.packed import (
+    KERNELS,
+    TIMED_ROWS,
+    Int8Linear,
+    PackedLinear,
+    can_pack,
+    pack_linears,
+    quantize_linears,
+    rows_kernel,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -22,18 +31,40 @@ def run(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return net.head(net[2](net[1](net[0](x))))
 
 
-@pytest.mark.parametrize("plain_rows", [frozenset(), frozenset(range(1, 9))])
+def needs_rows_kernel(kernel: str) -> None:
+    if kernel == "rows" and rows_kernel() is None:
+        pytest.skip("the row kernel could not be built here (no C++ compiler?); torch's kernels serve")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 33])
-def test_packed_layers_compute_what_linear_computes(rows, plain_rows):
-    """Whichever kernel this CPU's timing picks for each row count."""
+def test_packed_layers_compute_what_linear_computes(rows, kernel):
+    """Whichever kernel this CPU's timing picks for each row count (above TIMED_ROWS: oneDNN)."""
+    needs_rows_kernel(kernel)
     plain, packed = model(), model()
     assert pack_linears(packed) == 3 and isinstance(packed.head, PackedLinear)
     for layer in (packed[0], packed[2], packed.head):
-        layer.plain_rows = plain_rows
+        layer.kernels = dict.fromkeys(range(1, TIMED_ROWS + 1), kernel)
     x = torch.randn(rows, 64)
     with torch.inference_mode():
         torch.testing.assert_close(run(packed, x), run(plain, x), rtol=1e-5, atol=1e-5)
     assert packed.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_the_row_kernel_computes_a_row_alike_whatever_rows_share_the_call():
+    """A verify forward over k tokens must compute each position exactly as a one-token decode does: bit for bit,
+    at shapes that are not multiples of its 64-column blocks or its 4-row register tiles."""
+    needs_rows_kernel("rows")
+    torch.manual_seed(0)
+    layer = nn.Linear(75, 131)
+    weight = rows_kernel().pack_weight(layer.weight.detach())
+    x = torch.randn(11, 75)
+    with torch.inference_mode():
+        together = rows_kernel().linear_rows(x, weight, 131, layer.bias)
+        alone = torch.cat([rows_kernel().linear_rows(row[None], weight, 131, layer.bias) for row in x])
+        assert torch.equal(together, alone)
+        torch.testing.assert_close(together, layer(x), rtol=1e-5, atol=1e-5)
+        assert rows_kernel().linear_rows(x.view(11, 1, 75), weight, 131, None).shape == (11, 1, 131)
 
 
 def test_weight_changes_reach_the_packed_copy_and_deepcopy_works():

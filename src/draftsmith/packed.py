@@ -1,14 +1,19 @@
-"""Inference layouts of linear layers on CPU: float32 weights packed once for oneDNN, and int8 drafter weights.
+"""Inference layouts of linear layers on CPU: float32 weights laid out once for a fast kernel, and int8 drafter weights.
 
-Why packed: `F.linear` on CPU re-packs the weight matrix on every call that has more than one input row, and a target
-forward is memory-bound, so a verify forward over 2-8 tokens cost ~1.8-2x a one-token forward and the drafter had
-to win back that whole difference. Packed once at load, it costs ~1.1-1.4x (SmolLM2-135M, 2 cores, KV cache of 200:
-`benchmarks/verify_cost.py`). For a few rows, which kernel is faster depends on the CPU: on an AVX512 EPYC a
-one-token target forward took 31.2 ms packed against 44.0 with `F.linear`, while on an AMX Xeon `F.linear` won for
-1-3 rows (a 2-token verify 35.2 ms against 47.7 packed; packed from 4 rows on), so the choice is timed once a
-process for each row count up to `BATCH_HINT` (`plain_row_counts`). Every
-caller of the model gets the same layers, so `model.generate`, plain decoding and verification stay comparable,
-and a speed-up measures speculation, not a faster kernel.
+Why: a target forward is memory-bound, so in theory a verify forward over a few tokens costs what a one-token decode
+costs, but `F.linear` re-packs the weight on every multi-row call (a verify over 2-8 tokens cost ~1.8-2x a decode
+step), and oneDNN's packed kernel, packed once at load, still cost ~1.45x from 4 rows on an AMX Xeon. The draft
+budget has to win back every bit of that. Three kernels, each with its weight copy made once:
+- `linear`: `F.linear` (MKL), fastest for 1-3 rows on an AMX Xeon;
+- `onednn`: oneDNN's packed kernel, fastest for many rows (prefill) and, on an AVX512 EPYC, for one (31.2 ms a
+  one-token target forward against 44.0 with `F.linear`);
+- `rows`: draftsmith's own (`kernels/rows.cpp`, compiled once for this CPU): reads each weight once, a few KB ahead,
+  whatever the row count, so on the AMX Xeon the linears of SmolLM2-135M cost 21-22 ms for 1-4 rows and 28 for 8
+  (`linear`/`onednn`: 21 / 37 / 36 ms at 1 / 4 / 8). Every output is one FMA chain in order, so a row's result does
+  not depend on how many rows share the call.
+Which kernel serves each row count up to `TIMED_ROWS` is timed once a process (`kernel_by_rows`). Every caller of the
+model gets the same layers, so `model.generate`, plain decoding and verification stay comparable, and a speed-up
+measures speculation, not a faster kernel.
 
 Why int8: a drafter step is a handful of one-row matmuls, bound by reading ~26 MB of float32 weights (SmolLM2's
 EAGLE-3 layer + a 4096-token head). `Int8Linear` keeps them as int8 rows with one scale each (fbgemm, activations
@@ -18,14 +23,21 @@ Only drafters use it: what they propose is verified by the float32 target, so th
 """
 
 import functools
+import hashlib
+import platform
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 
 BATCH_HINT = 8  # the input-row count oneDNN tunes the packed layout for; measured best over 1-64 rows
+TIMED_ROWS = 16  # row counts whose kernel is chosen by timing (decode, verify, trees); above: oneDNN (prefill)
+KERNELS = ("linear", "onednn", "rows")
+KERNEL_CACHE = Path.home() / ".cache" / "draftsmith" / "kernels"
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -39,65 +51,106 @@ def can_pack(model: nn.Module) -> bool:
     )
 
 
+def _cpu_tag(cpuinfo: Path) -> str:
+    """The build is `-march=native`: a cache shared between hosts of different CPUs must not share the binary."""
+    flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:10]
+
+
 @functools.cache
-def plain_row_counts() -> frozenset[int]:
-    """The input-row counts (1..BATCH_HINT) for which `F.linear` beats oneDNN's packed kernel on this CPU; above
-    BATCH_HINT the packed kernel wins everywhere measured. Timed once a process on a 4096x1024 matrix (beyond L2,
-    like a target's layers; its crossover matched whole-model forwards on both hosts above), interleaved, median of
-    15 calls each: ~0.1 s."""
+def rows_kernel():
+    """`kernels/rows.cpp` compiled for this CPU (~30 s once, then loaded from `KERNEL_CACHE`), or None where it
+    cannot be built (no C++ compiler or ninja, not Linux): the other two kernels then serve every row count."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return None
+    name = f"rows_{_cpu_tag(cpuinfo)}"
+    build = KERNEL_CACHE / name
+    if not any(build.glob("*.so")):
+        print(f"draftsmith: compiling the row kernel for this CPU into {build} (once, ~30 s)", file=sys.stderr)
+    try:
+        from torch.utils.cpp_extension import load
+
+        build.mkdir(parents=True, exist_ok=True)
+        source = Path(__file__).parent / "kernels" / "rows.cpp"
+        return load(name, [str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(build))
+    except Exception as error:  # noqa: BLE001 - any build failure leaves torch's own kernels, which are correct
+        warnings.warn(f"draftsmith: the row kernel could not be built ({error}); using torch's kernels", stacklevel=2)
+        return None
+
+
+@functools.cache
+def kernel_by_rows(kernels: tuple[str, ...] = KERNELS) -> dict[int, str]:
+    """The fastest of `kernels` on this CPU for each input-row count 1..TIMED_ROWS; `rows` unless another is more
+    than 5 % faster, so that one kernel, whose rows do not depend on each other, serves decode and verify alike.
+    Timed once a process on a 4096x1024 matrix (beyond L2, like a target's layers; its crossovers matched
+    whole-model forwards on the hosts in the module docstring), interleaved, median of 15 calls each: ~0.7 s."""
     weight = torch.randn(4096, 1024)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-    plain_wins = set()
+    copies = {"linear": weight, "onednn": torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)}
+    if rows_kernel() is not None:
+        copies["rows"] = rows_kernel().pack_weight(weight)
+    copies = {kernel: copy for kernel, copy in copies.items() if kernel in kernels}
+    fastest = {}
     with torch.inference_mode():
-        for rows in range(1, BATCH_HINT + 1):
+        for rows in range(1, TIMED_ROWS + 1):
             x = torch.randn(rows, 1024)
-            calls = {
-                "plain": lambda x=x: nn.functional.linear(x, weight),
-                "packed": lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-            }
-            seconds: dict[str, list[float]] = {name: [] for name in calls}
+            seconds: dict[str, list[float]] = {kernel: [] for kernel in copies}
             for rep in range(18):
-                for name, call in calls.items():
+                for kernel, copy in copies.items():
                     began = time.perf_counter()
-                    call()
+                    _linear(kernel, x, copy, None, weight.shape[0])
                     if rep >= 3:  # the first calls warm the caches up
-                        seconds[name].append(time.perf_counter() - began)
-            if statistics.median(seconds["plain"]) < statistics.median(seconds["packed"]):
-                plain_wins.add(rows)
-    return frozenset(plain_wins)
+                        seconds[kernel].append(time.perf_counter() - began)
+            median = {kernel: statistics.median(times) for kernel, times in seconds.items()}
+            fastest[rows] = min(median, key=median.get)
+            if "rows" in median and median["rows"] <= 1.05 * median[fastest[rows]]:
+                fastest[rows] = "rows"
+    return fastest
+
+
+def _linear(kernel: str, x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None, out: int) -> torch.Tensor:
+    if kernel == "rows":
+        return rows_kernel().linear_rows(x, copy, out, bias)
+    if kernel == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
+    return nn.functional.linear(x, copy, bias)
 
 
 class PackedLinear(nn.Module):
     """An inference-only stand-in for `nn.Linear`: same `weight` parameter (state dict, ties and fingerprints are
-    unchanged), plus a oneDNN-packed copy that `forward` uses. The copy is re-made whenever the weight changes
-    (in place, or by `.to()`), and dropped by `copy.deepcopy` and pickling."""
+    unchanged), plus the weight copy each kernel it uses needs (module docstring), made on first use and re-made
+    whenever the weight changes (in place, or by `.to()`); dropped by `copy.deepcopy` and pickling."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self._packed: tuple[tuple[int, int], torch.Tensor] | None = None  # (weight's identity, packed copy)
-        self.plain_rows = plain_row_counts()  # calls with these many rows take F.linear (module docstring)
+        self._copies: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}  # kernel -> (weight's identity, copy)
+        self.kernels = kernel_by_rows()  # input-row count -> kernel; beyond it, onednn
 
-    def _packed_weight(self) -> torch.Tensor:
+    def _copy(self, kernel: str) -> torch.Tensor:
         weight = self.weight
         key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)  # inference tensors: no version
-        if self._packed is None or self._packed[0] != key:
-            self._packed = key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
-        return self._packed[1]
+        if kernel not in self._copies or self._copies[kernel][0] != key:
+            if kernel == "onednn":
+                copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+            else:
+                copy = rows_kernel().pack_weight(weight.detach())
+            self._copies[kernel] = key, copy
+        return self._copies[kernel][1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         usable = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        plain_rows = x.numel() // max(x.shape[-1], 1) in self.plain_rows
-        if not usable or training or plain_rows:
+        kernel = self.kernels.get(x.numel() // max(x.shape[-1], 1), "onednn")
+        if not usable or training or kernel == "linear":
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight(), bias, "none", [], "")
+        return _linear(kernel, x, self._copy(kernel), bias, self.out_features)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_packed": None}
+        return {**self.__dict__, "_copies": {}}
 
 
 def pack_linears(model: nn.Module) -> int:
