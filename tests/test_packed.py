@@ -37,14 +37,14 @@ def needs_rows_kernel(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 33])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 33, 65])
 def test_packed_layers_compute_what_linear_computes(rows, kernel):
-    """Whichever kernel this CPU's timing picks for each row count (above TIMED_ROWS: oneDNN)."""
+    """Whichever kernel this CPU's timing picks for each row count (above the last of TIMED_ROWS: oneDNN)."""
     needs_rows_kernel(kernel)
     plain, packed = model(), model()
     assert pack_linears(packed) == 3 and isinstance(packed.head, PackedLinear)
     for layer in (packed[0], packed[2], packed.head):
-        layer.kernels = dict.fromkeys(range(1, TIMED_ROWS + 1), kernel)
+        layer.kernels = dict.fromkeys(range(1, TIMED_ROWS[-1] + 1), kernel)
     x = torch.randn(rows, 64)
     with torch.inference_mode():
         torch.testing.assert_close(run(packed, x), run(plain, x), rtol=1e-5, atol=1e-5)
@@ -105,3 +105,21 @@ def test_int8_layers_stay_within_a_percent_of_linear_and_keep_the_float_weights(
         assert not torch.equal(got, want)  # it is int8 arithmetic, not the float path
         torch.testing.assert_close(run(copy.deepcopy(int8), x), got, rtol=0, atol=0)
     assert quantize_linears(model().to(torch.bfloat16)) == 0
+
+
+def test_without_a_compiler_torch_kernels_serve_with_a_warning(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension
+
+    import draftsmith.packed as packed
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("g++: command not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(packed, "KERNEL_CACHE", tmp_path)
+    packed.rows_kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="row kernel could not be built .*g\\+\\+: command not found"):
+            assert packed.rows_kernel() is None
+    finally:
+        packed.rows_kernel.cache_clear()  # the next caller loads the real build again

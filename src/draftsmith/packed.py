@@ -9,11 +9,11 @@ budget has to win back every bit of that. Three kernels, each with its weight co
   one-token target forward against 44.0 with `F.linear`);
 - `rows`: draftsmith's own (`kernels/rows.cpp`, compiled once for this CPU): reads each weight once, a few KB ahead,
   whatever the row count, so on the AMX Xeon the linears of SmolLM2-135M cost 21-22 ms for 1-4 rows and 28 for 8
-  (`linear`/`onednn`: 21 / 37 / 36 ms at 1 / 4 / 8). Every output is one FMA chain in order, so a row's result does
-  not depend on how many rows share the call.
-Which kernel serves each row count up to `TIMED_ROWS` is timed once a process (`kernel_by_rows`). Every caller of the
-model gets the same layers, so `model.generate`, plain decoding and verification stay comparable, and a speed-up
-measures speculation, not a faster kernel.
+  (`linear`/`onednn`: 21 / 37 / 36 ms at 1 / 4 / 8), and 34 against 41 at 16 rows, 76 against 86 at 64. Every
+  output is one FMA chain in order, so a row's result does not depend on how many rows share the call.
+Which kernel serves each row count up to 64 (decode, verify, trees) is timed once a process (`kernel_by_rows`).
+Every caller of the model gets the same layers, so `model.generate`, plain decoding and verification stay
+comparable, and a speed-up measures speculation, not a faster kernel.
 
 Why int8: a drafter step is a handful of one-row matmuls, bound by reading ~26 MB of float32 weights (SmolLM2's
 EAGLE-3 layer + a 4096-token head). `Int8Linear` keeps them as int8 rows with one scale each (fbgemm, activations
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 BATCH_HINT = 8  # the input-row count oneDNN tunes the packed layout for; measured best over 1-64 rows
-TIMED_ROWS = 16  # row counts whose kernel is chosen by timing (decode, verify, trees); above: oneDNN (prefill)
+TIMED_ROWS = (*range(1, 17), 24, 32, 48, 64)  # decode, verify and tree sizes; above 64 rows: oneDNN (prefill)
 KERNELS = ("linear", "onednn", "rows")
 KERNEL_CACHE = Path.home() / ".cache" / "draftsmith" / "kernels"
 
@@ -81,10 +81,11 @@ def rows_kernel():
 
 @functools.cache
 def kernel_by_rows(kernels: tuple[str, ...] = KERNELS) -> dict[int, str]:
-    """The fastest of `kernels` on this CPU for each input-row count 1..TIMED_ROWS; `rows` unless another is more
-    than 5 % faster, so that one kernel, whose rows do not depend on each other, serves decode and verify alike.
-    Timed once a process on a 4096x1024 matrix (beyond L2, like a target's layers; its crossovers matched
-    whole-model forwards on the hosts in the module docstring), interleaved, median of 15 calls each: ~0.7 s."""
+    """The fastest of `kernels` on this CPU for each input-row count up to the last of TIMED_ROWS (a count between
+    two timed ones takes the choice of the next one up); `rows` unless another is more than 5 % faster, so that one
+    kernel, whose rows do not depend on each other, serves decode and verify alike. Timed once a process on a
+    4096x1024 matrix (beyond L2, like a target's layers; its crossovers matched whole-model forwards on the hosts in
+    the module docstring), interleaved, median of 15 calls each: ~1 s."""
     weight = torch.randn(4096, 1024)
     copies = {"linear": weight, "onednn": torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)}
     if rows_kernel() is not None:
@@ -92,7 +93,7 @@ def kernel_by_rows(kernels: tuple[str, ...] = KERNELS) -> dict[int, str]:
     copies = {kernel: copy for kernel, copy in copies.items() if kernel in kernels}
     fastest = {}
     with torch.inference_mode():
-        for rows in range(1, TIMED_ROWS + 1):
+        for rows in TIMED_ROWS:
             x = torch.randn(rows, 1024)
             seconds: dict[str, list[float]] = {kernel: [] for kernel in copies}
             for rep in range(18):
@@ -105,7 +106,7 @@ def kernel_by_rows(kernels: tuple[str, ...] = KERNELS) -> dict[int, str]:
             fastest[rows] = min(median, key=median.get)
             if "rows" in median and median["rows"] <= 1.05 * median[fastest[rows]]:
                 fastest[rows] = "rows"
-    return fastest
+    return {rows: fastest[min(t for t in TIMED_ROWS if t >= rows)] for rows in range(1, TIMED_ROWS[-1] + 1)}
 
 
 def _linear(kernel: str, x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None, out: int) -> torch.Tensor:
