@@ -81,7 +81,9 @@ def load_prompts(data_dir: Path | None, n: int) -> tuple[str, list[Conversation]
         if len(mixed) >= n:
             return " + ".join(f.name for f in files), mixed[:n]
     _, builtin = load_eval_prompts("builtin")
-    return "builtin", [builtin[i % len(builtin)] for i in range(n)]  # repeated when n exceeds the 60 builtins
+    # repeated when n exceeds the 60 builtins, each repeat under its own id (regeneration refuses duplicate ids)
+    repeats = (builtin[i % len(builtin)] for i in range(n))
+    return "builtin", [Conversation(f"{i}-{c.id}", c.messages) for i, c in enumerate(repeats)]
 
 
 def run_regenerate(
