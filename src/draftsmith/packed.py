@@ -9,8 +9,9 @@ budget has to win back every bit of that. Three kernels, each with its weight co
   one-token target forward against 44.0 with `F.linear`);
 - `rows`: draftsmith's own (`kernels/rows.cpp`, compiled once for this CPU): reads each weight once, a few KB ahead,
   whatever the row count, so on the AMX Xeon the linears of SmolLM2-135M cost 21-22 ms for 1-4 rows and 28 for 8
-  (`linear`/`onednn`: 21 / 37 / 36 ms at 1 / 4 / 8), and 34 against 41 at 16 rows, 76 against 86 at 64. Every
-  output is one FMA chain in order, so a row's result does not depend on how many rows share the call.
+  (`linear`/`onednn`: 21 / 37 / 36 ms at 1 / 4 / 8), and 34 against 41 at 16 rows, 76 against 86 at 64 (one-off
+  timings, docs/measurements-log.md; whole forwards: `benchmarks/verify_cost.py`). Every output is one FMA chain
+  in order, so a row's result does not depend on how many rows share the call.
 Which kernel serves each row count up to 64 (decode, verify, trees) is timed once a process (`kernel_by_rows`).
 Every caller of the model gets the same layers, so `model.generate`, plain decoding and verification stay
 comparable, and a speed-up measures speculation, not a faster kernel.
@@ -87,10 +88,8 @@ def kernel_by_rows(kernels: tuple[str, ...] = KERNELS) -> dict[int, str]:
     4096x1024 matrix (beyond L2, like a target's layers; its crossovers matched whole-model forwards on the hosts in
     the module docstring), interleaved, median of 15 calls each: ~1 s."""
     weight = torch.randn(4096, 1024)
-    copies = {"linear": weight, "onednn": torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)}
-    if rows_kernel() is not None:
-        copies["rows"] = rows_kernel().pack_weight(weight)
-    copies = {kernel: copy for kernel, copy in copies.items() if kernel in kernels}
+    usable = [kernel for kernel in kernels if kernel != "rows" or rows_kernel() is not None]
+    copies = {kernel: _layout(kernel, weight) for kernel in usable}
     fastest = {}
     with torch.inference_mode():
         for rows in TIMED_ROWS:
@@ -107,6 +106,15 @@ def kernel_by_rows(kernels: tuple[str, ...] = KERNELS) -> dict[int, str]:
             if "rows" in median and median["rows"] <= 1.05 * median[fastest[rows]]:
                 fastest[rows] = "rows"
     return {rows: fastest[min(t for t in TIMED_ROWS if t >= rows)] for rows in range(1, TIMED_ROWS[-1] + 1)}
+
+
+def _layout(kernel: str, weight: torch.Tensor) -> torch.Tensor:
+    """The weight copy `kernel` reads (F.linear reads the weight itself)."""
+    if kernel == "rows":
+        return rows_kernel().pack_weight(weight)
+    if kernel == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+    return weight
 
 
 def _linear(kernel: str, x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None, out: int) -> torch.Tensor:
@@ -134,11 +142,7 @@ class PackedLinear(nn.Module):
         weight = self.weight
         key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)  # inference tensors: no version
         if kernel not in self._copies or self._copies[kernel][0] != key:
-            if kernel == "onednn":
-                copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
-            else:
-                copy = rows_kernel().pack_weight(weight.detach())
-            self._copies[kernel] = key, copy
+            self._copies[kernel] = key, _layout(kernel, weight.detach())
         return self._copies[kernel][1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
