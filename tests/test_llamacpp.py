@@ -194,6 +194,24 @@ def test_smollm2_with_a_drafter_is_lossless_in_llama_server(llamacpp, smollm2, t
     assert all(r.timings.get("draft_n", 0) > 0 for r in runs)
 
 
+def test_a_near_tie_comes_out_as_without_a_drafter(llamacpp, smollm2, shared_data, tmp_path):
+    """MT-bench prompt 90's 29th new token is a near-tie of SmolLM2 (top-2 logit gap 0.0005): a verify batch that
+    rounded otherwise than the one-token decode (llamafile's sgemm, built in by default) wrote another token there.
+    Our build leaves it out, so every output is one `ggml_vec_dot` over its row whatever the batch."""
+    question = next(
+        json.loads(line) for line in (shared_data / "mt_bench_questions.jsonl").open() if '"question_id": 90' in line
+    )
+    ids = encode_chat(smollm2.tokenizer, [{"role": "user", "content": question["turns"][0]}])
+    drafter = logit_lens_drafter(smollm2, tmp_path / "drafter")
+    out = export_gguf(drafter, tmp_path / "gguf", target="smollm2-135m", target_type="f32", speculative_tokens=3)
+    with LlamaServer(llamacpp, out / "target-f32.gguf") as plain:
+        base = plain.complete(ids, 40)
+    with LlamaServer(llamacpp, out / "target-f32.gguf", Draft(out / "drafter.gguf", 3, n_min=3, p_min=0.0)) as spec:
+        run = spec.complete(ids, 40)
+    assert run.tokens == base.tokens
+    assert run.timings.get("draft_n", 0) >= 30  # it drafted: the tokens were verified in batches of four
+
+
 def test_doctor_reports_acceptance_per_served_precision(llamacpp, tiny, tmp_path, private_cache):
     from draftsmith.engines.llamacpp_eval import precision_checks
 
@@ -250,7 +268,7 @@ def test_dflash_gguf_export_serves_losslessly(llamacpp, tiny, tmp_path, private_
     from draftsmith.drafters.dflash import DFlashConfig, DFlashModel
     from draftsmith.drafters.dflash import save_checkpoint as save_dflash
     from draftsmith.engines.llamacpp_eval import draft_for
-    from draftsmith.formats.gguf import architecture
+    from draftsmith.formats.gguf import architecture, drafter_gguf
 
     target, model_dir, _ = tiny
     torch.manual_seed(0)
@@ -258,6 +276,8 @@ def test_dflash_gguf_export_serves_losslessly(llamacpp, tiny, tmp_path, private_
     drafter = save_dflash(model.attach_target(target), tmp_path / "dflash")
     out = export_gguf(drafter, tmp_path / "gguf", target=str(model_dir), target_type="f32")
     assert architecture(out / "drafter.gguf") == "dflash"
+    by_name = drafter_gguf(f"dflash:{drafter}", tmp_path / "by-name", target=str(model_dir))  # as `eval` names it
+    assert by_name.read_bytes() == (out / "drafter.gguf").read_bytes()
     card = (out / "README.md").read_text()
     assert "--spec-type draft-dflash --spec-draft-n-max 3" in card and "target_layer_ids` = [0, 1, 2]" in card
     from draftsmith.config import EvalConfig

@@ -162,8 +162,9 @@ def _link(src: Path, dst: Path) -> Path:
 
 def drafter_gguf(spec: str | Path, out: Path, target: str | None = None) -> Path:
     """A drafter as a GGUF file: a `.gguf` as it is, a `--format gguf` export's drafter.gguf, or a draftsmith run or
-    checkpoint exported into `out` (drafter only)."""
-    path = Path(spec)
+    checkpoint exported into `out` (drafter only); `dflash:DIR`, as the other commands name a DFlash run, works too
+    (the export tells the two algorithms apart by the directory itself)."""
+    path = Path(str(spec).removeprefix("dflash:"))
     if path.suffix == ".gguf" and path.is_file():
         return path
     if (path / DRAFTER_FILE).is_file():
