@@ -37,7 +37,7 @@ def needs_rows_kernel(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 33, 65])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 24, 33, 65])
 def test_packed_layers_compute_what_linear_computes(rows, kernel):
     """Whichever kernel this CPU's timing picks for each row count (above the last of TIMED_ROWS: oneDNN)."""
     needs_rows_kernel(kernel)
@@ -53,18 +53,19 @@ def test_packed_layers_compute_what_linear_computes(rows, kernel):
 
 def test_the_row_kernel_computes_a_row_alike_whatever_rows_share_the_call():
     """A verify forward over k tokens must compute each position exactly as a one-token decode does: bit for bit,
-    at shapes that are not multiples of its 64-column blocks or its 4-row register tiles."""
+    at shapes that are not multiples of its 64-column blocks or its 4-row register tiles, over several passes."""
     needs_rows_kernel("rows")
     torch.manual_seed(0)
     layer = nn.Linear(75, 131)
     weight = rows_kernel().pack_weight(layer.weight.detach())
-    x = torch.randn(11, 75)
+    x = torch.randn(30, 75)
     with torch.inference_mode():
-        together = rows_kernel().linear_rows(x, weight, 131, layer.bias)
         alone = torch.cat([rows_kernel().linear_rows(row[None], weight, 131, layer.bias) for row in x])
-        assert torch.equal(together, alone)
+        for rows in (3, 7, 11, 30):
+            together = rows_kernel().linear_rows(x[:rows], weight, 131, layer.bias)
+            assert torch.equal(together, alone[:rows])
         torch.testing.assert_close(together, layer(x), rtol=1e-5, atol=1e-5)
-        assert rows_kernel().linear_rows(x.view(11, 1, 75), weight, 131, None).shape == (11, 1, 131)
+        assert rows_kernel().linear_rows(x.view(30, 1, 75), weight, 131, None).shape == (30, 1, 131)
 
 
 def test_weight_changes_reach_the_packed_copy_and_deepcopy_works():
