@@ -15,6 +15,14 @@ from draftsmith.drafters.dflash import DFlashConfig
 from draftsmith.drafters.eagle3 import Eagle3Config
 from draftsmith.formats.common import CONVENTION, SGLANG_CONVENTION, SGLANG_RULE
 
+# Its build leaves llamafile's sgemm out, so verify batches round as the one-token decode (near-ties included); a
+# llama.cpp built with its defaults can write another token than it would without the drafter where the target's
+# top two logits all but tie.
+LLAMACPP_BUILD = (
+    "make llamacpp  # builds llama-server once (-DGGML_LLAMAFILE=OFF: output identical to serving without the "
+    "drafter); `draftsmith llamacpp path` prints where"
+)
+
 
 def llama_server_command(target_gguf: str, drafter_gguf: str, k: int, threads: int = 2, algo: str = "eagle3") -> str:
     """The `llama-server` command that serves a drafter GGUF (EAGLE-3, or DFlash with k = block size - 1) beside
@@ -29,7 +37,7 @@ def llama_server_command(target_gguf: str, drafter_gguf: str, k: int, threads: i
 def serve_commands(fmt: str, verifier: str, out: Path, k: int) -> list[str]:
     if fmt == "gguf":
         return [
-            "make llamacpp  # builds llama-server once; `draftsmith llamacpp path` prints where",
+            LLAMACPP_BUILD,
             llama_server_command(verifier, str(out / "drafter.gguf"), k),
         ]
     spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": k})
@@ -223,7 +231,7 @@ def dflash_serve_commands(fmt: str, verifier: str, out: Path, block_size: int) -
     export: llama-server)."""
     if fmt == "gguf":
         return [
-            "make llamacpp  # builds llama-server once; `draftsmith llamacpp path` prints where",
+            LLAMACPP_BUILD,
             llama_server_command(verifier, str(out / "drafter.gguf"), block_size - 1, algo="dflash"),
         ]
     spec = json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": block_size - 1})
