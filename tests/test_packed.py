@@ -51,6 +51,23 @@ def test_packed_layers_compute_what_linear_computes(rows, kernel):
     assert packed.state_dict().keys() == plain.state_dict().keys()
 
 
+@pytest.mark.parametrize("prefill", ["linear", "onednn"])
+def test_a_prefill_makes_the_copy_of_its_kernel_only(prefill, monkeypatch):
+    """Above the timed row counts the prefill kernel serves; oneDNN's copy (as large as the weight) exists only
+    when it is the one chosen."""
+    import draftsmith.packed
+
+    monkeypatch.setattr(draftsmith.packed, "prefill_kernel", lambda: prefill)
+    plain, packed = model(), model()
+    pack_linears(packed)
+    for layer in (packed[0], packed[2], packed.head):
+        layer.kernels = dict.fromkeys(range(1, TIMED_ROWS[-1] + 1), "linear")
+    x = torch.randn(TIMED_ROWS[-1] + 7, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(run(packed, x), run(plain, x), rtol=1e-5, atol=1e-5)
+    assert all(("onednn" in layer._copies) == (prefill == "onednn") for layer in (packed[0], packed[2], packed.head))
+
+
 def test_the_row_kernel_computes_a_row_alike_whatever_rows_share_the_call():
     """A verify forward over k tokens must compute each position exactly as a one-token decode does: bit for bit,
     at shapes that are not multiples of its 64-column blocks or its 4-row register tiles, over several passes."""

@@ -12,7 +12,9 @@ budget has to win back every bit of that. Three kernels, each with its weight co
   (`linear`/`onednn`: 21 / 37 / 36 ms at 1 / 4 / 8), and 34 against 41 at 16 rows, 76 against 86 at 64 (one-off
   timings, docs/measurements-log.md; whole forwards: `benchmarks/verify_cost.py`). Every output is one FMA chain
   in order, so a row's result does not depend on how many rows share the call.
-Which kernel serves each row count up to 64 (decode, verify, trees) is timed once a process (`kernel_by_rows`).
+Which kernel serves each row count up to 64 (decode, verify, trees) is timed once a process (`kernel_by_rows`);
+above 64 rows (prefill) `F.linear` on the weight itself serves unless oneDNN is clearly faster (`prefill_kernel`), so
+that its copy, as large as the weights, is made only where it pays.
 Every caller of the model gets the same layers, so `model.generate`, plain decoding and verification stay
 comparable, and a speed-up measures speculation, not a faster kernel.
 
@@ -36,7 +38,8 @@ import torch
 from torch import nn
 
 BATCH_HINT = 8  # the input-row count oneDNN tunes the packed layout for; measured best over 1-64 rows
-TIMED_ROWS = (*range(1, 17), 24, 32, 48, 64)  # decode, verify and tree sizes; above 64 rows: oneDNN (prefill)
+TIMED_ROWS = (*range(1, 17), 24, 32, 48, 64)  # decode, verify and tree sizes; above 64 rows: `prefill_kernel`
+PREFILL_ROWS = 256  # a prompt's worth of rows, for timing the prefill kernel
 KERNELS = ("linear", "onednn", "rows")
 KERNEL_CACHE = Path.home() / ".cache" / "draftsmith" / "kernels"
 
@@ -108,6 +111,27 @@ def kernel_by_rows(kernels: tuple[str, ...] = KERNELS) -> dict[int, str]:
     return {rows: fastest[min(t for t in TIMED_ROWS if t >= rows)] for rows in range(1, TIMED_ROWS[-1] + 1)}
 
 
+@functools.cache
+def prefill_kernel() -> str:
+    """The kernel for more than 64 rows: `linear` (MKL on the weight itself: no copy) unless oneDNN's packed copy is
+    more than 25 % faster, timed once a process like `kernel_by_rows`. A prefill is a few % of a request's time and
+    the copy is as large as the weights: on the AMX Xeon oneDNN was 1-15 % faster per SmolLM2 linear at 256 rows,
+    F.linear's whole prefill within -3 to +6 % of it over 128-512 tokens, and the copy 540 MB of its ~2.1 GB peak
+    (docs/measurements-log.md)."""
+    weight, x = torch.randn(4096, 1024), torch.randn(PREFILL_ROWS, 1024)
+    copies = {kernel: _layout(kernel, weight) for kernel in ("linear", "onednn")}
+    seconds: dict[str, list[float]] = {kernel: [] for kernel in copies}
+    with torch.inference_mode():
+        for rep in range(8):
+            for kernel, copy in copies.items():
+                began = time.perf_counter()
+                _linear(kernel, x, copy, None, weight.shape[0])
+                if rep >= 2:
+                    seconds[kernel].append(time.perf_counter() - began)
+    median = {kernel: statistics.median(times) for kernel, times in seconds.items()}
+    return "onednn" if median["onednn"] * 1.25 < median["linear"] else "linear"
+
+
 def _layout(kernel: str, weight: torch.Tensor) -> torch.Tensor:
     """The weight copy `kernel` reads (F.linear reads the weight itself)."""
     if kernel == "rows":
@@ -136,7 +160,7 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self._copies: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}  # kernel -> (weight's identity, copy)
-        self.kernels = kernel_by_rows()  # input-row count -> kernel; beyond it, onednn
+        self.kernels = kernel_by_rows()  # input-row count -> kernel; beyond it, prefill_kernel()
 
     def _copy(self, kernel: str) -> torch.Tensor:
         weight = self.weight
@@ -148,7 +172,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         usable = x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"
         training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        kernel = self.kernels.get(x.numel() // max(x.shape[-1], 1), "onednn")
+        rows = x.numel() // max(x.shape[-1], 1)
+        kernel = self.kernels[rows] if rows in self.kernels else prefill_kernel()
         if not usable or training or kernel == "linear":
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
