@@ -39,7 +39,7 @@ def needs_rows_kernel(kernel: str) -> None:
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 24, 33, 65])
 def test_packed_layers_compute_what_linear_computes(rows, kernel):
-    """Whichever kernel this CPU's timing picks for each row count (above the last of TIMED_ROWS: oneDNN)."""
+    """Each kernel at each row count up to the last of TIMED_ROWS; above it, the prefill kernel this CPU picks."""
     needs_rows_kernel(kernel)
     plain, packed = model(), model()
     assert pack_linears(packed) == 3 and isinstance(packed.head, PackedLinear)

@@ -87,28 +87,39 @@ def rows_kernel():
 def kernel_by_rows(kernels: tuple[str, ...] = KERNELS) -> dict[int, str]:
     """The fastest of `kernels` on this CPU for each input-row count up to the last of TIMED_ROWS (a count between
     two timed ones takes the choice of the next one up); `rows` unless another is more than 5 % faster, so that one
-    kernel, whose rows do not depend on each other, serves decode and verify alike. Timed once a process on a
-    4096x1024 matrix (beyond L2, like a target's layers; its crossovers matched whole-model forwards on the hosts in
-    the module docstring), interleaved, median of 15 calls each: ~1 s."""
-    weight = torch.randn(4096, 1024)
+    kernel, whose rows do not depend on each other, serves decode and verify alike. Timed once a process
+    (`_median_seconds`, 15 calls each): ~1 s."""
     usable = [kernel for kernel in kernels if kernel != "rows" or rows_kernel() is not None]
-    copies = {kernel: _layout(kernel, weight) for kernel in usable}
     fastest = {}
-    with torch.inference_mode():
-        for rows in TIMED_ROWS:
-            x = torch.randn(rows, 1024)
-            seconds: dict[str, list[float]] = {kernel: [] for kernel in copies}
-            for rep in range(18):
-                for kernel, copy in copies.items():
-                    began = time.perf_counter()
-                    _linear(kernel, x, copy, None, weight.shape[0])
-                    if rep >= 3:  # the first calls warm the caches up
-                        seconds[kernel].append(time.perf_counter() - began)
-            median = {kernel: statistics.median(times) for kernel, times in seconds.items()}
-            fastest[rows] = min(median, key=median.get)
-            if "rows" in median and median["rows"] <= 1.05 * median[fastest[rows]]:
-                fastest[rows] = "rows"
+    for rows in TIMED_ROWS:
+        median = _median_seconds(usable, rows, calls=18)
+        fastest[rows] = min(median, key=median.get)
+        if "rows" in median and median["rows"] <= 1.05 * median[fastest[rows]]:
+            fastest[rows] = "rows"
     return {rows: fastest[min(t for t in TIMED_ROWS if t >= rows)] for rows in range(1, TIMED_ROWS[-1] + 1)}
+
+
+@functools.cache
+def _timing_weight() -> torch.Tensor:
+    """4096x1024: beyond L2, like a target's layers; its crossovers matched whole-model forwards (module docstring)."""
+    return torch.randn(4096, 1024)
+
+
+def _median_seconds(kernels: list[str], rows: int, calls: int) -> dict[str, float]:
+    """Median seconds of each kernel over `rows` input rows of the timing weight, interleaved; the first 3 calls
+    of each only warm the caches up."""
+    weight = _timing_weight()
+    copies = {kernel: _layout(kernel, weight) for kernel in kernels}
+    x = torch.randn(rows, weight.shape[1])
+    seconds: dict[str, list[float]] = {kernel: [] for kernel in copies}
+    with torch.inference_mode():
+        for call in range(calls):
+            for kernel, copy in copies.items():
+                began = time.perf_counter()
+                _linear(kernel, x, copy, None, weight.shape[0])
+                if call >= 3:
+                    seconds[kernel].append(time.perf_counter() - began)
+    return {kernel: statistics.median(times) for kernel, times in seconds.items()}
 
 
 @functools.cache
@@ -118,17 +129,7 @@ def prefill_kernel() -> str:
     the copy is as large as the weights: on the AMX Xeon oneDNN was 1-15 % faster per SmolLM2 linear at 256 rows,
     F.linear's whole prefill within -3 to +6 % of it over 128-512 tokens, and the copy 540 MB of its ~2.1 GB peak
     (docs/measurements-log.md)."""
-    weight, x = torch.randn(4096, 1024), torch.randn(PREFILL_ROWS, 1024)
-    copies = {kernel: _layout(kernel, weight) for kernel in ("linear", "onednn")}
-    seconds: dict[str, list[float]] = {kernel: [] for kernel in copies}
-    with torch.inference_mode():
-        for rep in range(8):
-            for kernel, copy in copies.items():
-                began = time.perf_counter()
-                _linear(kernel, x, copy, None, weight.shape[0])
-                if rep >= 2:
-                    seconds[kernel].append(time.perf_counter() - began)
-    median = {kernel: statistics.median(times) for kernel, times in seconds.items()}
+    median = _median_seconds(["linear", "onednn"], PREFILL_ROWS, calls=9)
     return "onednn" if median["onednn"] * 1.25 < median["linear"] else "linear"
 
 
