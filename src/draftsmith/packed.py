@@ -40,6 +40,7 @@ from torch import nn
 BATCH_HINT = 8  # the input-row count oneDNN tunes the packed layout for; measured best over 1-64 rows
 TIMED_ROWS = (*range(1, 17), 24, 32, 48, 64)  # decode, verify and tree sizes; above 64 rows: `prefill_kernel`
 PREFILL_ROWS = 256  # a prompt's worth of rows, for timing the prefill kernel
+TIMING_SHAPE = (4096, 1024)  # the weight kernels are timed on: beyond L2, like a target's layers
 KERNELS = ("linear", "onednn", "rows")
 KERNEL_CACHE = Path.home() / ".cache" / "draftsmith" / "kernels"
 
@@ -89,34 +90,34 @@ def kernel_by_rows(kernels: tuple[str, ...] = KERNELS) -> dict[int, str]:
     two timed ones takes the choice of the next one up); `rows` unless another is more than 5 % faster, so that one
     kernel, whose rows do not depend on each other, serves decode and verify alike. Timed once a process
     (`_median_seconds`, 15 calls each): ~1 s."""
-    usable = [kernel for kernel in kernels if kernel != "rows" or rows_kernel() is not None]
+    copies = _timing_copies(tuple(kernel for kernel in kernels if kernel != "rows" or rows_kernel() is not None))
     fastest = {}
     for rows in TIMED_ROWS:
-        median = _median_seconds(usable, rows, calls=18)
+        median = _median_seconds(copies, rows, calls=18)
         fastest[rows] = min(median, key=median.get)
         if "rows" in median and median["rows"] <= 1.05 * median[fastest[rows]]:
             fastest[rows] = "rows"
     return {rows: fastest[min(t for t in TIMED_ROWS if t >= rows)] for rows in range(1, TIMED_ROWS[-1] + 1)}
 
 
-@functools.cache
-def _timing_weight() -> torch.Tensor:
-    """4096x1024: beyond L2, like a target's layers; its crossovers matched whole-model forwards (module docstring)."""
-    return torch.randn(4096, 1024)
+def _timing_copies(kernels: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Each kernel's copy of one TIMING_SHAPE weight (its crossovers matched whole-model forwards on the hosts in
+    the module docstring); `linear`'s is the weight itself."""
+    weight = torch.randn(TIMING_SHAPE)
+    return {kernel: _layout(kernel, weight) for kernel in kernels}
 
 
-def _median_seconds(kernels: list[str], rows: int, calls: int) -> dict[str, float]:
-    """Median seconds of each kernel over `rows` input rows of the timing weight, interleaved; the first 3 calls
-    of each only warm the caches up."""
-    weight = _timing_weight()
-    copies = {kernel: _layout(kernel, weight) for kernel in kernels}
-    x = torch.randn(rows, weight.shape[1])
+def _median_seconds(copies: dict[str, torch.Tensor], rows: int, calls: int) -> dict[str, float]:
+    """Median seconds of each kernel over `rows` input rows, interleaved; the first 3 calls of each only warm the
+    caches up."""
+    out, features = TIMING_SHAPE
+    x = torch.randn(rows, features)
     seconds: dict[str, list[float]] = {kernel: [] for kernel in copies}
     with torch.inference_mode():
         for call in range(calls):
             for kernel, copy in copies.items():
                 began = time.perf_counter()
-                _linear(kernel, x, copy, None, weight.shape[0])
+                _linear(kernel, x, copy, None, out)
                 if call >= 3:
                     seconds[kernel].append(time.perf_counter() - began)
     return {kernel: statistics.median(times) for kernel, times in seconds.items()}
@@ -129,7 +130,7 @@ def prefill_kernel() -> str:
     the copy is as large as the weights: on the AMX Xeon oneDNN was 1-15 % faster per SmolLM2 linear at 256 rows,
     F.linear's whole prefill within -3 to +6 % of it over 128-512 tokens, and the copy 540 MB of its ~2.1 GB peak
     (docs/measurements-log.md)."""
-    median = _median_seconds(["linear", "onednn"], PREFILL_ROWS, calls=9)
+    median = _median_seconds(_timing_copies(("linear", "onednn")), PREFILL_ROWS, calls=9)
     return "onednn" if median["onednn"] * 1.25 < median["linear"] else "linear"
 
 
