@@ -187,8 +187,9 @@ def test_smollm2_tree_speculation_is_identical_to_generate(smollm2, tmp_path):
 
 
 def test_learned_drafter_tree_reports_its_chains_side_by_side(tmp_path):
-    """`eval --tree`: the tree (main fields), the fixed chain (`*_chain`) and the adaptive chain (`*_adaptive`) of
-    the same drafter, one run, one baseline, all lossless."""
+    """`eval --tree`: the tree (main fields), the fixed chain (`*_fixed`) and the adaptive chain (`*_adaptive`) of
+    the same drafter, one run, one baseline, all lossless; with `fixed_chain: replayed` the fixed chain accepts, round
+    for round, what the timed one does."""
     from draftsmith.stages import evaluate as run_eval
     from draftsmith.train import TrainConfig
     from tests.test_train import run, setup
@@ -206,7 +207,14 @@ def test_learned_drafter_tree_reports_its_chains_side_by_side(tmp_path):
     (report,) = run_eval(cfg, target)
     assert report["tree"] == "depth=3,topk=2,total=6" and report["num_draft_tokens"] == 6
     assert report["predicted_tokens_per_s"] == 30.0 and report["predicted_tokens_per_s_chain"] == 20.0
-    assert report["mismatches"] == report["mismatches_chain"] == report["mismatches_adaptive"] == 0
-    assert len(report["acceptance_by_position"]) == 6 and len(report["acceptance_by_position_chain"]) == 2
+    assert report["mismatches"] == report["mismatches_fixed"] == report["mismatches_adaptive"] == 0
+    assert len(report["acceptance_by_position"]) == 6 and len(report["acceptance_by_position_fixed"]) == 2
     text = (tmp_path / "eval" / "report.md").read_text()
     assert "fixed chain: acceptance length" in text and "adaptive chain: speedup" in text
+    assert "| draft position (fixed chain) |" in text
+    (replayed,) = run_eval(cfg.model_copy(update={"fixed_chain": "replayed", "out": tmp_path / "replayed"}), target)
+    assert replayed["fixed_chain"] == "replayed" and replayed["speedup_fixed"] is None
+    assert replayed["mismatches"] == replayed["mismatches_adaptive"] == 0
+    assert sum(report["acceptance_by_position_fixed"]) > 0  # the chain accepts something, so the check means much
+    for key in ("acceptance_length_fixed", "acceptance_by_position_fixed", "drafts_by_position_fixed"):
+        assert replayed[key] == pytest.approx(report[key]), key

@@ -80,6 +80,13 @@ def test_run_chains_the_stages_and_resumes_only_what_changed(tmp_path):
     assert turns.exit_code == 0 and turns.output.count("skipped") == 4, turns.output  # only eval re-runs
     merged = json.loads((run_dir / "eval" / "report.json").read_text())
     assert merged["drafter"].endswith("|ngram[1-4]") and merged["mismatches"] == 0
+    tree = invoke(app, ["run", str(pipeline), "--out", str(run_dir), "--set", "train.max_steps=6",
+                        "--set", "eval.merge_with=[ngram]", "--set", 'eval.tree="depth=2,topk=2,total=3"'])  # fmt: skip
+    assert tree.exit_code == 0 and tree.output.count("skipped") == 4, tree.output
+    merged = json.loads((run_dir / "eval" / "report.json").read_text())  # the cpu profiles' default policy
+    assert merged["drafter"].endswith("+ngram[1-4]") and merged["tree"] == "depth=2,topk=2,total=3"
+    assert merged["mismatches"] == merged["mismatches_fixed"] == merged["mismatches_merged"] == 0
+    assert f"| {merged['acceptance_length_fixed']:.2f} |" in (run_dir / "report.md").read_text()
     table = invoke(app, ["status", str(run_dir)])
     assert table.exit_code == 0 and table.output.count("completed") == 5
 

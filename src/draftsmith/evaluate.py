@@ -205,7 +205,7 @@ FIXED_KEYS = ("acceptance_length", "acceptance_by_position", "drafts_by_position
 def merge_fixed(report: dict, fixed: dict, suffix: str = "_fixed") -> dict:
     """The adaptive report with the same drafter's fixed-chain run added as `<key>_fixed`: the drafter's quality
     (what papers, vLLM and SGLang report) next to what the adaptive budget makes of it end to end. A tree report
-    takes its drafter's chain runs the same way, as `<key>_chain` (fixed) and `<key>_adaptive`."""
+    takes its drafter's chain runs the same way: `<key>_fixed`, and `<key>_adaptive` or `<key>_merged`."""
     return report | {f"{key}{suffix}": fixed[key] for key in FIXED_KEYS}
 
 
@@ -243,19 +243,18 @@ PREDICTED_ROWS = [
     ("tune predicted: speculative tokens/s", "predicted_tokens_per_s", "{:.1f}"),
     ("tune predicted: fixed chain tokens/s", "predicted_tokens_per_s_chain", "{:.1f}"),
 ]
-# A learned drafter's other runs beside its main one: its fixed chain; a tree's chains (fixed, adaptive, merged).
-TWIN_TITLES = {"_fixed": "fixed chain", "_chain": "fixed chain", "_adaptive": "adaptive chain",
-               "_merged": "merged chain"}  # fmt: skip
+# A tree's other runs beside its fixed chain (`_fixed`): its drafter's adaptive or merged chain.
+TWIN_TITLES = {"_adaptive": "adaptive chain", "_merged": "merged chain"}
 
 
 def summary_rows(report: dict) -> list[tuple[str, str]]:
     rows = list(SUMMARY_ROWS)
-    for suffix in ("_chain", "_adaptive", "_merged"):
-        if f"acceptance_length{suffix}" in report:
-            rows += [(f"{TWIN_TITLES[suffix]}: {label.split(': ')[1]}", key.replace("_fixed", suffix), fmt)
-                     for label, key, fmt in FIXED_ROWS]  # fmt: skip
     if "acceptance_length_fixed" in report:
         rows += FIXED_ROWS
+    for suffix, title in TWIN_TITLES.items():
+        if f"acceptance_length{suffix}" in report:
+            rows += [(f"{title}: {label.split(': ')[1]}", key.replace("_fixed", suffix), fmt)
+                     for label, key, fmt in FIXED_ROWS]  # fmt: skip
     rows += [(label, key, fmt) for label, key, fmt in PREDICTED_ROWS if key in report]
     engine = report.get("engine")  # another engine's baseline is that engine without the drafter
     return [
@@ -287,7 +286,7 @@ def render_markdown(report: dict) -> str:
                   f"tokens {forwards}; a drafter step {costs['step_cost']:.3f}."]  # fmt: skip
     first = "merged" if "+" in report["drafter"] else "adaptive budget"
     first = f"tree {report['tree']}" if report.get("tree") else first
-    for suffix, title in [("", first), *TWIN_TITLES.items()]:
+    for suffix, title in [("", first), ("_fixed", "fixed chain"), *TWIN_TITLES.items()]:
         if f"acceptance_by_position{suffix}" not in report:
             continue
         lines += ["", f"| draft position ({title}) | P(accepted) | drafts |", "| ---: | ---: | ---: |"]

@@ -257,12 +257,13 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
     twin = fixed_twin(drafters[0])  # a learned drafter's quality: the same drafter with a fixed chain
     if shape is not None:
         # The tree (cut by the adaptive budget, or whole with --draft-length fixed), its drafter's fixed chain of
-        # --num-draft-tokens and (if adaptive or merged) its adaptive or merged chain, against the same baselines.
+        # --num-draft-tokens (timed, or replayed at T=0) and, if adaptive or merged, its adaptive or merged chain.
         tree_drafter = build_drafter(cfg.drafter, target, cfg.dtype, cfg.draft_length, shape, precision)
-        chains = [twin, drafters[0]] if twin is not None else [drafters[0]]
+        replay = twin if twin is not None and cfg.fixed_chain == "replayed" else None
+        chains = [c for c in (twin, drafters[0]) if c is not None and c is not replay]
         first = [tree_drafter, *chains]
         k = cfg.num_draft_tokens
-        tree_report, *chain_reports = evaluate_drafters(
+        tree_report, *rest = evaluate_drafters(
             target,
             [*first, *drafters[1:]],
             dataset,
@@ -270,15 +271,19 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
             cfg,
             len(first),
             [shape.total] + [k] * (len(first) + len(drafters) - 2),
+            replayed=replay,
         )
         cut = "the part that pays" if cfg.draft_length == "adaptive" else "all of it"  # tune predicts all of it
-        tree_report = merge_fixed(tree_report | {"tree": str(shape), "tree_verified": cut}, chain_reports[0], "_chain")
+        fixed = rest.pop() if replay is not None else rest.pop(0)
+        tree_report = merge_fixed(tree_report | {"tree": str(shape), "tree_verified": cut}, fixed)
+        if replay is not None:
+            tree_report["fixed_chain"] = "replayed"
         if twin is not None:
             suffix = "_merged" if isinstance(drafters[0], MergedDrafter) else "_adaptive"
-            tree_report = merge_fixed(tree_report, chain_reports[1], suffix)
+            tree_report = merge_fixed(tree_report, rest.pop(0), suffix)
         if cfg.tree.endswith(".json"):  # what tune predicted for both, to hold against what was measured
             tree_report |= predicted_speeds(Path(cfg.tree), shape, cfg.num_draft_tokens)
-        reports = [tree_report, *chain_reports[len(chains) :]]
+        reports = [tree_report, *rest]
     elif twin is None:
         reports = evaluate_drafters(target, drafters, dataset, prompts, cfg)
     elif cfg.fixed_chain == "replayed":
