@@ -27,13 +27,15 @@ def write_run_report(run_dir: Path, target: str, stage_status: dict[str, Any]) -
             "| --- | ---: | ---: | ---: | ---: |",
         ]
         for r in reports:
+            tree = f" (tree {r['tree']})" if r.get("tree") else ""
             lines.append(
-                f"| {r['drafter']} | {r['acceptance_length']:.2f} | {r['speedup']:.2f}x | "
+                f"| {r['drafter']}{tree} | {r['acceptance_length']:.2f} | {r['speedup']:.2f}x | "
                 f"{r['spec_tokens_per_s']:.1f} | {r['mismatches']} |"
             )
             if r.get("acceptance_length_fixed") is not None:  # the learned drafter's own quality, beside its policy
+                chain = len(r["acceptance_by_position_fixed"])  # a tree report's num_draft_tokens is the tree's total
                 lines.append(
-                    f"| its fixed chain of {r['num_draft_tokens']} ({r.get('fixed_chain', 'timed')}) | "
+                    f"| its fixed chain of {chain} ({r.get('fixed_chain', 'timed')}) | "
                     f"{r['acceptance_length_fixed']:.2f} | {_or_dash(r.get('speedup_fixed'), '.2f', 'x')} | "
                     f"{_or_dash(r.get('spec_tokens_per_s_fixed'), '.1f')} | {_or_dash(r.get('mismatches_fixed'))} |"
                 )
