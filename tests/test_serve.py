@@ -388,12 +388,16 @@ def test_text_stream_never_splits_a_character_and_holds_back_stop_prefixes(smoll
     assert stream.stopped and "".join(deltas) == text[: text.index("STOP")]
 
 
-@pytest.mark.parametrize("kind", ["ngram", "eagle3", "ngram-tree", "eagle3-tree", "eagle3-budgeted-tree"])
+@pytest.mark.parametrize(
+    "kind", ["ngram", "eagle3", "ngram-tree", "eagle3-tree", "eagle3-budgeted-tree", "eagle3+ngram-budgeted-tree"]
+)
 def test_interleaved_requests_decode_exactly_as_one_at_a_time(kind):
     """The scheduler interleaves requests round by round, each with its own copy of the drafter: every answer, greedy
-    or sampled, must be the one the engine gives for that request alone (trees included)."""
+    or sampled, must be the one the engine gives for that request alone (trees included, and the EAGLE-3 cpu
+    profiles' default policy: the learned tree and n-gram as one tree)."""
     from draftsmith.decode.tree import TreeShape
     from draftsmith.drafters import with_tree
+    from draftsmith.drafters.merged import MergedDrafter
 
     target = tiny_target(3)
     # budgeted: trees cut where they stop paying, at cheap rows (a random drafter pays for little else)
@@ -401,6 +405,8 @@ def test_interleaved_requests_decode_exactly_as_one_at_a_time(kind):
     drafter = (
         NgramDrafter(budget=budget) if kind.startswith("ngram") else Eagle3Drafter(make_model(target), budget=budget)
     )
+    if kind.startswith("eagle3+ngram"):
+        drafter = MergedDrafter([drafter, NgramDrafter(budget=DraftBudget(linear_costs(1.0, 0.01), step_cost=0.0))])
     drafter = with_tree(drafter, TreeShape(3, 2, 4) if kind.endswith("tree") else None)
     metrics = ServerMetrics(4, target="tiny", drafter=kind, model="tiny")
     scheduler = Scheduler(target, drafter, metrics, num_draft_tokens=4, max_active=3, max_queue=8)
