@@ -55,12 +55,14 @@ residual stream entering decoder layer i (transformers' `hidden_states[i]`), whi
 
 **draftsmith's side** runs `draftsmith.stages.train` with `TrainConfig`: `ttt_steps` = `--chain`, the settings of
 the cpu profiles (batch 8 in forwards of 4, bf16 autocast as speculators', lr 1e-3, max_length 512, speculators'
-norm switches on), warm-up 5 % of the steps, four validations, and `max_steps` =
-the steps that fit the budget; `--ds-set key=value` overrides any of them.
+norm switches on, the TTT forward compiled where it can be), warm-up 5 % of the calibrated steps, four
+validations, and `max_minutes` = the budget: its trainer re-plans its length from the time its steps take (up to
+twice the calibrated steps); `--ds-set key=value` overrides any of them.
 
 **Same wall-clock time**: each trainer first runs a short calibration (a few steps in a scratch directory, not
 counted) measuring its time per optimiser step and the cost of its end-of-epoch / validation + checkpoint work;
-`max_steps` is then what fits the budget, so each learning-rate schedule runs to its end. The timed run also has a
+speculators' `max_steps` is then what fits the budget, so its learning-rate schedule runs to its end (draftsmith's
+own budget does that for draftsmith: a 4-step calibration had planned 166 steps where ~230 fit). The timed run also has a
 guard: when the next step and the final validation + checkpoint would no longer fit, training stops there (the
 schedule then ends early; the table shows planned and done steps). The budget covers each trainer's training loop
 (steps, validations, checkpoints), not building the model or loading data. Each trainer runs in its own process.
@@ -386,10 +388,14 @@ def worker_draftsmith(job: dict) -> dict:
 
     ds_trainer.Trainer = TimedTrainer
     steps = int(job["max_steps"])
+    budget = job.get("budget_s")
     settings = dict(
         DS_BASE,
         ttt_steps=job["chain"],
-        max_steps=steps,
+        # a timed run uses draftsmith's own time budget: it re-plans its length from the measured step time, so
+        # a calibration that over- or underestimates the step neither leaves time unused nor overruns
+        max_steps=steps if budget is None else 2 * steps,
+        max_minutes=None if budget is None else budget / 60,
         warmup_steps=max(1, round(0.05 * steps)),
         eval_every=max(1, math.ceil(steps / 4)),
         checkpoint_every=max(1, math.ceil(steps / 4)),
@@ -410,7 +416,7 @@ def worker_draftsmith(job: dict) -> dict:
 
 
 DS_BASE = dict(batch_size=8, micro_batch_size=4, bf16=True, lr=1.0e-3, max_length=512, norm_before_fc=True,
-               norm_before_residual=True, norm_output=True)  # fmt: skip
+               norm_before_residual=True, norm_output=True, compile="auto")  # fmt: skip
 
 
 def run_worker(kind: str, job: dict, log: Path) -> dict:

@@ -298,6 +298,30 @@ def test_bf16_training_follows_float32_and_micro_batches_change_nothing(tmp_path
     assert abs(runs["bf16"].val["acc_0"] - runs["fp32"].val["acc_0"]) <= 0.25
 
 
+def test_a_compiled_ttt_forward_trains_as_the_eager_one(tmp_path):
+    """`compile`: the TTT forward runs as a torch.compile graph (one for training, one for validation's no-grad
+    forward, each over every batch shape) and the run's losses and metrics are eager's to float rounding."""
+    from torch._dynamo.utils import counters
+
+    _, data, weights, config = setup(count=8)
+    base = dict(max_steps=3, batch_size=4, micro_batch_size=2, lr=1e-2, warmup_steps=1, ttt_steps=2, eval_every=3,
+                val_fraction=0.25)  # fmt: skip
+    counters.clear()
+    run(TrainConfig(**base), data, weights, config, tmp_path / "eager")
+    assert counters["stats"]["unique_graphs"] == 0
+    run(TrainConfig(**base, compile=True), data, weights, config, tmp_path / "compiled")
+    assert counters["stats"]["unique_graphs"] >= 2  # the training and the validation forward
+    eager, compiled = curve(tmp_path / "eager"), curve(tmp_path / "compiled")
+    assert [r["split"] for r in eager] == [r["split"] for r in compiled]
+    for a, b in zip(eager, compiled, strict=True):
+        numbers = {k: v for k, v in a.items() if isinstance(v, float)}
+        assert numbers and {k: b[k] for k in numbers} == pytest.approx(numbers, rel=1e-4, abs=1e-6)
+        assert {k: v for k, v in b.items() if k not in numbers} == {k: v for k, v in a.items() if k not in numbers}
+    with pytest.raises(ValueError, match="compile applies to EAGLE-3"):
+        TrainConfig(algo="dflash", compile=True)
+    assert TrainConfig(algo="dflash", compile="auto").objective().steps == 15  # auto: DFlash trains eagerly
+
+
 def test_the_pipeline_leaves_the_trainers_resume_state_out_of_the_train_fingerprint(tmp_path):
     """The train stage's fingerprint must skip exactly the file the trainer writes its resume state to."""
     from draftsmith.run_status import TRAINER_STATE, stage_fingerprint

@@ -272,6 +272,7 @@ def train(
     ),
     draft_vocab: Annotated[bool, typer.Option(help="dflash: score only --vocab's tokens when drafting")] = False,
     draft_loss: Annotated[bool, typer.Option(help="dflash: score the training loss over them too (faster)")] = False,
+    compile: Annotated[str, typer.Option(help="torch.compile EAGLE-3's TTT forward: true | false | auto")] = "false",
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Train an EAGLE-3 drafter with the training-time test, or (--algo dflash) a DFlash block drafter (resumes by
