@@ -62,9 +62,9 @@ twice the calibrated steps); `--ds-set key=value` overrides any of them.
 **Same wall-clock time**: each trainer first runs a short calibration (a few steps in a scratch directory, not
 counted) measuring its time per optimiser step and the cost of its end-of-epoch / validation + checkpoint work;
 speculators' `max_steps` is then what fits the budget, so its learning-rate schedule runs to its end (draftsmith's
-own budget does that for draftsmith: a 4-step calibration had planned 166 steps where ~230 fit). The timed run also has a
-guard: when the next step and the final validation + checkpoint would no longer fit, training stops there (the
-schedule then ends early; the table shows planned and done steps). The budget covers each trainer's training loop
+own budget does that for draftsmith: a 4-step calibration had planned 166 steps where ~230 fit). The timed run also
+has a guard: when the next step and the final validation + checkpoint would no longer fit, training stops there
+(the schedule then ends early; the table shows planned and done steps). The budget covers each trainer's training loop
 (steps, validations, checkpoints), not building the model or loading data. Each trainer runs in its own process.
 Time is the one measured thing here, so run it on a quiet machine (`../shared/tools/quiet`): a busy one changes
 both trainers' step counts.

@@ -99,3 +99,22 @@ def test_a_failed_stage_is_recorded_and_names_the_resume_command(tmp_path):
     assert "stage vocab failed" in result.output and "resume with: draftsmith run" in result.output
     status = json.loads((run_dir / "status.json").read_text())["stages"]
     assert status["extract"]["state"] == "completed" and status["vocab"]["state"] == "failed"
+
+
+def test_the_train_stage_runs_in_a_process_of_its_own_and_its_error_comes_back(tmp_path, monkeypatch):
+    """Training runs as `python -m draftsmith.launch train RUN_DIR`, so the eval stage is timed in a process that
+    never trained; a DraftsmithError in that process is the stage's error, message and hint, in the pipeline."""
+    from draftsmith import pipeline as pipeline_module
+
+    def in_this_process(*args, **kwargs):
+        raise AssertionError("trained in the pipeline's own process")
+
+    monkeypatch.setattr(pipeline_module.run_stage, "train", in_this_process)
+    pipeline, run_dir = _tiny_pipeline(tmp_path), tmp_path / "run"
+    sets = ["--set", "train.batch_size=3", "--set", "train.micro_batch_size=2"]  # refused when the trainer starts
+    result = CliRunner().invoke(app, ["run", str(pipeline), "--out", str(run_dir), *sets])
+    assert result.exit_code == 2
+    assert "stage train failed: batch_size 3 is not a multiple of micro_batch_size 2" in result.output
+    assert "resume with: draftsmith run" in result.output and not (run_dir / "train.error.json").exists()
+    status = json.loads((run_dir / "status.json").read_text())["stages"]
+    assert status["train"]["state"] == "failed" and "micro_batch_size" in status["train"]["error"]
