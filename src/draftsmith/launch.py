@@ -15,8 +15,6 @@ from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 
-ERROR_FILE_ENV = "DRAFTSMITH_ERROR_FILE"  # where a failing train stage writes its error for the pipeline to raise
-
 
 def die_with_parent() -> None:
     """torchrun starts its workers in their own session, so killing a crashed pipeline's process group leaves them
@@ -37,7 +35,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from draftsmith import stages
-    from draftsmith.pipeline import PipelineConfig
+    from draftsmith.pipeline import ERROR_FILE_ENV, PipelineConfig
     from draftsmith.target import load_target
 
     run_dir = Path(argv[1])

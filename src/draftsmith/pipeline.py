@@ -39,7 +39,6 @@ from rich.console import Console
 from draftsmith import stages as run_stage
 from draftsmith.config import EvalConfig, StageConfig
 from draftsmith.errors import ConfigError, DataError, DraftsmithError
-from draftsmith.launch import ERROR_FILE_ENV
 from draftsmith.run_report import write_run_report
 from draftsmith.run_status import Status, file_fingerprint, stage_fingerprint
 from draftsmith.target import Target, load_target
@@ -143,6 +142,10 @@ def _merge(base: dict, override: dict) -> dict:
 
 def _nested(keys: list[str], value: Any) -> dict:
     return {keys[0]: value} if len(keys) == 1 else {keys[0]: _nested(keys[1:], value)}
+
+
+# where a train stage process (`draftsmith.launch`) writes its DraftsmithError for the pipeline to raise
+ERROR_FILE_ENV = "DRAFTSMITH_ERROR_FILE"
 
 
 class Runner:
