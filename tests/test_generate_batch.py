@@ -1,11 +1,24 @@
 """The batched decode loop of regeneration and synthesis: the tokens of plain decoding, whatever the batch does."""
 
+import copy
+
+import pytest
 import torch
-from transformers import DynamicCache, MistralConfig, MistralForCausalLM
+import torch.nn.functional as F
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from draftsmith.backends.batch import PreallocatedLayer, batch_cache, batched_attention, generate_batch
-from tests.conftest import tiny_target
+from draftsmith.backends import batch as batch_module
+from draftsmith.backends.batch import (
+    BatchDecoder,
+    PreallocatedLayer,
+    batch_cache,
+    batched_attention,
+    generate_batch,
+)
+from draftsmith.native import native_kernel
+from draftsmith.target import Target
+from tests.conftest import tiny_target, tiny_tokenizer
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33], [40], [50, 51, 52, 53, 54, 55]]
 
@@ -106,3 +119,83 @@ def test_sliding_window_models_keep_transformers_cache():
     )  # fmt: skip
     cache = batch_cache(MistralForCausalLM(config), 16)
     assert isinstance(cache, DynamicCache) and not any(isinstance(x, PreallocatedLayer) for x in cache.layers)
+
+
+def needs_attention_kernel():
+    if native_kernel("decode_attention") is None:
+        pytest.skip("the decode attention kernel could not be built here (no C++ compiler?); torch's path serves")
+
+
+@pytest.mark.parametrize(("kv_heads", "groups", "dim"), [(3, 3, 64), (2, 4, 64), (1, 1, 128), (2, 2, 128)])
+def test_the_native_decode_attention_computes_what_float32_attention_computes(kv_heads, groups, dim):
+    """bf16 keys and values read from a view of a larger buffer; rows left-padded, one row seeing a single slot, a
+    whole block of 16 unwritten slots (skipped without arithmetic), a context that is not a multiple of 16."""
+    needs_attention_kernel()
+    torch.manual_seed(kv_heads * 10 + groups + dim)
+    batch, capacity, used = 5, 53, 41
+    query = torch.randn(batch, kv_heads * groups, 1, dim).bfloat16()
+    buffer = torch.randn(2, batch, kv_heads, capacity, dim).bfloat16()
+    key, value = buffer[0, :, :, :used], buffer[1, :, :, :used]  # strided along the batch, as a cache's used part
+    mask = torch.ones(batch, 1, 1, used, dtype=torch.bool)
+    mask[1, ..., :9] = False  # left padding
+    mask[2, ..., :-1] = False  # sees only its newest slot
+    mask[3, ..., 16:32] = False  # a whole block hidden
+    want = F.scaled_dot_product_attention(
+        query.float(), key.float(), value.float(), attn_mask=mask, enable_gqa=True
+    ).transpose(1, 2)
+    got = batch_module._decode_attention(query, key, value, mask, None)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    assert (got.float() - want).abs().max() < 0.5 * (torch_path(query, key, value, mask).float() - want).abs().max()
+
+
+def torch_path(query, key, value, mask):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch_module, "LOW_PRECISION", ())
+        return batch_module._decode_attention(query, key, value, mask, None)
+
+
+def test_bf16_decoding_with_the_native_attention_is_as_close_to_float32_as_torchs():
+    """A Llama with 64-wide heads (the kernel's shapes) decoding left-padded rows in bf16, fed the float32 copy's
+    greedy tokens: its logits are as close to float32's as with torch's bf16 attention (bf16 rounding alone moves
+    them by ~0.06 here, so the two bf16 paths need not pick the same tokens), and the kernel really ran."""
+    needs_attention_kernel()
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.3, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    exact = decode_logits(Target("f32", model, tiny_tokenizer(96)), steps=8)
+    bf16 = Target("bf16", copy.deepcopy(model).to(torch.bfloat16), tiny_tokenizer(96))
+    calls = []
+    kernel = native_kernel("decode_attention")
+
+    class Counting:
+        @staticmethod
+        def decode_attention(*args):
+            calls.append(1)
+            return kernel.decode_attention(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch_module, "native_kernel", lambda name: Counting)
+        native = decode_logits(bf16, feed=exact[1])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch_module, "LOW_PRECISION", ())
+        torchs = decode_logits(bf16, feed=exact[1])
+    assert len(calls) == 8 * config.num_hidden_layers
+    error = {name: (got[0][1:] - exact[0][1:]).abs().mean() for name, got in (("native", native), ("torch", torchs))}
+    assert error["native"] < 1.1 * error["torch"], error
+
+
+def decode_logits(target, steps=8, feed=None):
+    """(logits after the prefill and each step (steps + 1, rows, vocab), the tokens fed): greedy, or `feed`'s."""
+    logits, fed = [], []
+    with torch.inference_mode(), batched_attention(target.model):
+        decoder = BatchDecoder(target, PROMPTS, steps + 1)
+        logits.append(decoder.logits)
+        for step in range(steps if feed is None else len(feed)):
+            token = decoder.logits.argmax(-1) if feed is None else feed[step]
+            fed.append(token)
+            logits.append(decoder.step(token))
+    return torch.stack(logits).float(), torch.stack(fed)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from draftsmith.native import native_kernel
 from draftsmith.packed import (
     KERNELS,
     TIMED_ROWS,
@@ -14,7 +15,6 @@ from draftsmith.packed import (
     can_pack,
     pack_linears,
     quantize_linears,
-    rows_kernel,
 )
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -32,7 +32,7 @@ def run(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def needs_rows_kernel(kernel: str) -> None:
-    if kernel == "rows" and rows_kernel() is None:
+    if kernel == "rows" and native_kernel("rows") is None:
         pytest.skip("the row kernel could not be built here (no C++ compiler?); torch's kernels serve")
 
 
@@ -74,15 +74,15 @@ def test_the_row_kernel_computes_a_row_alike_whatever_rows_share_the_call():
     needs_rows_kernel("rows")
     torch.manual_seed(0)
     layer = nn.Linear(75, 131)
-    weight = rows_kernel().pack_weight(layer.weight.detach())
+    weight = native_kernel("rows").pack_weight(layer.weight.detach())
     x = torch.randn(30, 75)
     with torch.inference_mode():
-        alone = torch.cat([rows_kernel().linear_rows(row[None], weight, 131, layer.bias) for row in x])
+        alone = torch.cat([native_kernel("rows").linear_rows(row[None], weight, 131, layer.bias) for row in x])
         for rows in (3, 7, 11, 30):
-            together = rows_kernel().linear_rows(x[:rows], weight, 131, layer.bias)
+            together = native_kernel("rows").linear_rows(x[:rows], weight, 131, layer.bias)
             assert torch.equal(together, alone[:rows])
         torch.testing.assert_close(together, layer(x), rtol=1e-5, atol=1e-5)
-        assert rows_kernel().linear_rows(x.view(30, 1, 75), weight, 131, None).shape == (30, 1, 131)
+        assert native_kernel("rows").linear_rows(x.view(30, 1, 75), weight, 131, None).shape == (30, 1, 131)
 
 
 def test_weight_changes_reach_the_packed_copy_and_deepcopy_works():
@@ -128,16 +128,16 @@ def test_int8_layers_stay_within_a_percent_of_linear_and_keep_the_float_weights(
 def test_without_a_compiler_torch_kernels_serve_with_a_warning(monkeypatch, tmp_path):
     import torch.utils.cpp_extension
 
-    import draftsmith.packed as packed
+    import draftsmith.native as native
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("g++: command not found")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(packed, "KERNEL_CACHE", tmp_path)
-    packed.rows_kernel.cache_clear()
+    monkeypatch.setattr(native, "KERNEL_CACHE", tmp_path)
+    native.native_kernel.cache_clear()
     try:
         with pytest.warns(UserWarning, match="row kernel could not be built .*g\\+\\+: command not found"):
-            assert packed.rows_kernel() is None
+            assert native.native_kernel("rows") is None
     finally:
-        packed.rows_kernel.cache_clear()  # the next caller loads the real build again
+        native.native_kernel.cache_clear()  # the next caller loads the real build again

@@ -26,23 +26,20 @@ Only drafters use it: what they propose is verified by the float32 target, so th
 """
 
 import functools
-import hashlib
-import platform
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from draftsmith.native import native_kernel
 
 BATCH_HINT = 8  # the input-row count oneDNN tunes the packed layout for; measured best over 1-64 rows
 TIMED_ROWS = (*range(1, 17), 24, 32, 48, 64)  # decode, verify and tree sizes; above 64 rows: `prefill_kernel`
 PREFILL_ROWS = 256  # a prompt's worth of rows, for timing the prefill kernel
 TIMING_SHAPE = (4096, 1024)  # the weight kernels are timed on: beyond L2, like a target's layers
 KERNELS = ("linear", "onednn", "rows")
-KERNEL_CACHE = Path.home() / ".cache" / "draftsmith" / "kernels"
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -56,41 +53,14 @@ def can_pack(model: nn.Module) -> bool:
     )
 
 
-def _cpu_tag(cpuinfo: Path) -> str:
-    """The build is `-march=native`: a cache shared between hosts of different CPUs must not share the binary."""
-    flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
-    return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:10]
-
-
-@functools.cache
-def rows_kernel():
-    """`kernels/rows.cpp` compiled for this CPU (~30 s once, then loaded from `KERNEL_CACHE`), or None where it
-    cannot be built (no C++ compiler or ninja, not Linux): the other two kernels then serve every row count."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return None
-    name = f"rows_{_cpu_tag(cpuinfo)}"
-    build = KERNEL_CACHE / name
-    if not any(build.glob("*.so")):
-        print(f"draftsmith: compiling the row kernel for this CPU into {build} (once, ~30 s)", file=sys.stderr)
-    try:
-        from torch.utils.cpp_extension import load
-
-        build.mkdir(parents=True, exist_ok=True)
-        source = Path(__file__).parent / "kernels" / "rows.cpp"
-        return load(name, [str(source)], extra_cflags=["-O3", "-march=native", "-fopenmp"], build_directory=str(build))
-    except Exception as error:  # noqa: BLE001 - any build failure leaves torch's own kernels, which are correct
-        warnings.warn(f"draftsmith: the row kernel could not be built ({error}); using torch's kernels", stacklevel=2)
-        return None
-
-
 @functools.cache
 def kernel_by_rows(kernels: tuple[str, ...] = KERNELS) -> dict[int, str]:
     """The fastest of `kernels` on this CPU for each input-row count up to the last of TIMED_ROWS (a count between
     two timed ones takes the choice of the next one up); `rows` unless another is more than 5 % faster, so that one
     kernel, whose rows do not depend on each other, serves decode and verify alike. Timed once a process
     (`_median_seconds`, 15 calls each): ~1 s."""
-    copies = _timing_copies(tuple(kernel for kernel in kernels if kernel != "rows" or rows_kernel() is not None))
+    built = native_kernel("rows") is not None
+    copies = _timing_copies(tuple(kernel for kernel in kernels if kernel != "rows" or built))
     fastest = {}
     for rows in TIMED_ROWS:
         median = _median_seconds(copies, rows, calls=18)
@@ -137,7 +107,7 @@ def prefill_kernel() -> str:
 def _layout(kernel: str, weight: torch.Tensor) -> torch.Tensor:
     """The weight copy `kernel` reads (F.linear reads the weight itself)."""
     if kernel == "rows":
-        return rows_kernel().pack_weight(weight)
+        return native_kernel("rows").pack_weight(weight)
     if kernel == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
     return weight
@@ -145,7 +115,7 @@ def _layout(kernel: str, weight: torch.Tensor) -> torch.Tensor:
 
 def _linear(kernel: str, x: torch.Tensor, copy: torch.Tensor, bias: torch.Tensor | None, out: int) -> torch.Tensor:
     if kernel == "rows":
-        return rows_kernel().linear_rows(x, copy, out, bias)
+        return native_kernel("rows").linear_rows(x, copy, out, bias)
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
     return nn.functional.linear(x, copy, bias)

@@ -13,7 +13,10 @@ from transformers import AttentionInterface, AttentionMaskInterface, DynamicCach
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import sdpa_mask
 
+from draftsmith.native import native_kernel
 from draftsmith.target import Target
+
+LOW_PRECISION = (torch.bfloat16,)  # the cache dtypes whose decode attention the native kernel serves
 
 
 def masked_gqa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -41,11 +44,22 @@ def masked_gqa_attention(module, query, key, value, attention_mask, scaling=None
 def _decode_attention(query, key, value, mask, scaling):
     """One query row per sequence (a decode step) as two batched matmuls, the query heads that share a key/value
     head stacked as rows. CPU SDPA's flash kernel spends most of its time on tiling that a single row does not
-    need: at batch 32 and 300 tokens of context it was ~40 % of a SmolLM2 decode step, this is a few percent."""
+    need: at batch 32 and 300 tokens of context it was ~40 % of a SmolLM2 decode step, this is a few percent.
+
+    A bf16 cache on a CPU goes to `kernels/decode_attention.cpp` instead: torch's bf16 batched matmuls
+    over these tiny products read the cache at ~7 GB/s, the kernel reads each key and value row once, skipping
+    masked slots (`benchmarks/decode_step_profile.py --attention kernel,torch`)."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    fits = query.dtype in LOW_PRECISION and query.device.type == "cpu" and dim in (64, 128) and heads <= 4 * kv_heads
+    kernel = native_kernel("decode_attention") if fits else None
+    if kernel is not None:
+        full = torch.ones(batch, 1, 1, key.shape[2], dtype=torch.bool)
+        seen = (full if mask is None else mask.expand(batch, 1, 1, -1))[:, 0, 0]
+        return kernel.decode_attention(query.reshape(batch, heads, dim), key, value, seen, scale)[:, None]
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(q, key.transpose(-1, -2)) * (dim**-0.5 if scaling is None else scaling)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scale
     if mask is not None:  # (batch, 1, 1, context): True where a row may look
         scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, -1), float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype), value)
@@ -222,7 +236,7 @@ def choose(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """The next token of each row: argmax at T=0, else a sample at `temperature` (global torch RNG)."""
     if temperature > 0:
         return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1)[:, 0]
-    return logits.argmax(-1)
+    return logits.max(-1).indices  # argmax's first maximum too, ~3x faster on CPU (6 against 2 ms at 128 x 49,152)
 
 
 def generate_batch(
