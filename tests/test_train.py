@@ -66,7 +66,7 @@ def test_ttt_loss_matches_a_direct_computation():
         logits = [model.draft_logits(h) for h in ttt_forward(model, batch["input_ids"], batch["aux_hidden"], steps)]
     expected = 0.0
     for k in range(steps):
-        kl, correct, count = 0.0, 0, 0
+        kl, correct, correct_draft, count = 0.0, 0, 0, 0
         for b, sample in enumerate(data):
             length = len(sample["input_ids"])
             for t in range(length - 2 - k):
@@ -76,8 +76,10 @@ def test_ttt_loss_matches_a_direct_computation():
                     q = torch.softmax(logits[k][b, t], -1)
                     kl += float((p * (p.log() - q.log())).sum())
                     correct += int(draft_ids[q.argmax()] == full.argmax())
+                    correct_draft += int(q.argmax() == p.argmax())  # speculators' metric: within the draft vocabulary
                     count += 1
-        assert (int(stats.count[k]), int(stats.correct[k])) == (count, correct)
+        got = int(stats.count[k]), int(stats.correct[k]), int(stats.correct_draft[k])
+        assert got == (count, correct, correct_draft)
         assert float(stats.loss_sum[k]) == pytest.approx(kl, rel=1e-4)
         expected += weight**k * kl
     assert loss.item() == pytest.approx(expected, rel=1e-4)

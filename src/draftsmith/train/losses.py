@@ -136,6 +136,7 @@ def ttt_loss(
         top = batch["target_top"][needed]
     else:
         top = target_top(batch["last_hidden"][needed], target_head)
+    draft_top = p.max(-1).indices  # `max`: argmax's first maximum, ~3x faster on a CPU
 
     total = p.new_zeros(())
     stats = StepStats.zeros(steps, p.device)
@@ -146,9 +147,9 @@ def ttt_loss(
         kl = F.cross_entropy(logits, p[target_row], reduction="none") + neg_entropy[target_row]
         total = total + step_weight**k * kl.sum() / denominators[k].clamp_min(1)
         stats.loss_sum[k] += kl.sum().detach()
-        guess = logits.argmax(-1)
+        guess = logits.detach().max(-1).indices
         stats.correct[k] += (draft_ids[guess] == top[target_row]).sum()  # what greedy verification accepts
-        stats.correct_draft[k] += (guess == p[target_row].argmax(-1)).sum()  # speculators' metric
+        stats.correct_draft[k] += (guess == draft_top[target_row]).sum()  # speculators' metric
         stats.count[k] += len(b)
     return total, stats
 
