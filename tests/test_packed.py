@@ -1,6 +1,7 @@
 """oneDNN-packed linear layers: what `nn.Linear` computes, never stale, safe to copy, off where they cannot work."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,5 +140,33 @@ def test_without_a_compiler_torch_kernels_serve_with_a_warning(monkeypatch, tmp_
     try:
         with pytest.warns(UserWarning, match="row kernel could not be built .*g\\+\\+: command not found"):
             assert native.native_kernel("rows") is None
+    finally:
+        native.native_kernel.cache_clear()  # the next caller loads the real build again
+
+
+def test_kernels_compile_from_a_copy_in_the_cache_rewritten_only_when_the_source_changes(monkeypatch, tmp_path):
+    """Two checkouts sharing the cache must not rebuild each other's kernels: the build reads a copy at one path."""
+    import torch.utils.cpp_extension
+
+    import draftsmith.native as native
+
+    built = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda name, sources, **kw: built.append(sources[0]))
+    monkeypatch.setattr(native, "KERNEL_CACHE", tmp_path)
+    shipped = (Path(native.__file__).parent / "kernels" / "rows.cpp").read_bytes()
+    try:
+        for _ in range(2):
+            native.native_kernel.cache_clear()
+            native.native_kernel("rows")
+        kept = Path(built[0])
+        assert built[0] == built[1] and kept.is_relative_to(tmp_path) and kept.read_bytes() == shipped
+        stamp = kept.stat().st_mtime_ns
+        native.native_kernel.cache_clear()
+        native.native_kernel("rows")
+        assert kept.stat().st_mtime_ns == stamp  # unchanged text: not rewritten, so ninja does not rebuild
+        kept.write_bytes(b"// an older version\n")
+        native.native_kernel.cache_clear()
+        native.native_kernel("rows")
+        assert kept.read_bytes() == shipped
     finally:
         native.native_kernel.cache_clear()  # the next caller loads the real build again

@@ -3,7 +3,8 @@
 Why compiled here rather than shipped: they are built with `-march=native`, so each host gets the vector width it
 has (AVX-512 on the Xeons, AVX2 elsewhere). A build takes ~25 s once and is cached under `KERNEL_CACHE`, keyed by
 the CPU's flags and torch's version. Where no build is possible (no C++ compiler or ninja, not Linux) the loader
-warns and returns None, and every caller falls back to torch's own kernels, which compute the same thing.
+warns and returns None, and every caller falls back to torch's own kernels, which compute the same function
+(rounded differently).
 """
 
 from __future__ import annotations
@@ -37,13 +38,18 @@ def native_kernel(name: str) -> ModuleType | None:
     what = DESCRIPTIONS[name]
     module = f"{name}_{_cpu_tag(cpuinfo)}"
     build = KERNEL_CACHE / module
-    if not any(build.glob("*.so")):
-        print(f"draftsmith: compiling the {what} for this CPU into {build} (once, ~25 s)", file=sys.stderr)
     try:
         from torch.utils.cpp_extension import load
 
         build.mkdir(parents=True, exist_ok=True)
-        source = Path(__file__).parent / "kernels" / f"{name}.cpp"
+        # Compiled from a copy in the cache: ninja's build file names its source by path, so two checkouts sharing
+        # the cache rebuilt each other's kernel (~25 s) whenever they took turns; a copy rewritten only when its
+        # text changes rebuilds only then.
+        source = build / f"{name}.cpp"
+        shipped = (Path(__file__).parent / "kernels" / f"{name}.cpp").read_bytes()
+        if not source.is_file() or source.read_bytes() != shipped:
+            source.write_bytes(shipped)
+            print(f"draftsmith: compiling the {what} for this CPU into {build} (once, ~25 s)", file=sys.stderr)
         flags = ["-O3", "-march=native", "-fopenmp"]
         return load(module, [str(source)], extra_cflags=flags, build_directory=str(build))
     except Exception as error:  # noqa: BLE001 - any build failure leaves torch's own kernels, which are correct

@@ -9,8 +9,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -18,6 +18,7 @@
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t h16 __attribute__((vector_size(32)));
 typedef uint32_t w16 __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
 constexpr int64_t LANES = 16;
 
 static inline v16 widen(const uint16_t* p) {  // 16 bf16 -> 16 float32: the bf16 bits are a float's top half
@@ -29,10 +30,9 @@ static inline v16 widen(const uint16_t* p) {  // 16 bf16 -> 16 float32: the bf16
   return f;
 }
 
-typedef int32_t i16v __attribute__((vector_size(64)));
-
-// Sixteen 16-lane partial sums -> one vector of their sixteen totals (lane i = sum of x[i]), by halving twice
-// per level: 15 shuffle pairs and adds for 16 keys instead of a horizontal sum per key.
+// Sixteen 16-lane partial sums -> one vector of their sixteen totals (lane i = the sum of x[i]'s lanes): four levels
+// of shuffles and adds, each halving the count of vectors, 15 shuffle pairs and adds for 16 keys instead of a
+// horizontal sum for each.
 static inline v16 transpose_sum(v16 x[16]) {
   v16 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // lanes 0-7: x[2i]'s halves summed, 8-15: x[2i+1]'s
@@ -46,7 +46,7 @@ static inline v16 transpose_sum(v16 x[16]) {
            __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
   const v16 d = __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
                 __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  // d's lane j holds the key at ORDER[j] (the shuffles above interleave them); put key i in lane i
+  // the levels above interleave the keys' totals: put key i's in lane i
   return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
