@@ -47,8 +47,10 @@ def native_kernel(name: str) -> ModuleType | None:
         # text changes rebuilds only then.
         source = build / f"{name}.cpp"
         shipped = (Path(__file__).parent / "kernels" / f"{name}.cpp").read_bytes()
-        if not source.is_file() or source.read_bytes() != shipped:
+        changed = not source.is_file() or source.read_bytes() != shipped
+        if changed:
             source.write_bytes(shipped)
+        if changed or not any(build.glob("*.so")):
             print(f"draftsmith: compiling the {what} for this CPU into {build} (once, ~25 s)", file=sys.stderr)
         flags = ["-O3", "-march=native", "-fopenmp"]
         return load(module, [str(source)], extra_cflags=flags, build_directory=str(build))

@@ -55,8 +55,9 @@ def _decode_attention(query, key, value, mask, scaling):
     fits = query.dtype in LOW_PRECISION and query.device.type == "cpu" and dim in (64, 128) and heads <= 4 * kv_heads
     kernel = native_kernel("decode_attention") if fits else None
     if kernel is not None:
-        full = torch.ones(batch, 1, 1, key.shape[2], dtype=torch.bool)
-        seen = (full if mask is None else mask.expand(batch, 1, 1, -1))[:, 0, 0]
+        if mask is None:
+            mask = torch.ones(batch, 1, 1, key.shape[2], dtype=torch.bool)
+        seen = mask.expand(batch, 1, 1, -1)[:, 0, 0]
         return kernel.decode_attention(query.reshape(batch, heads, dim), key, value, seen, scale)[:, None]
     q = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     scores = torch.matmul(q, key.transpose(-1, -2)) * scale
@@ -236,7 +237,7 @@ def choose(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """The next token of each row: argmax at T=0, else a sample at `temperature` (global torch RNG)."""
     if temperature > 0:
         return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1)[:, 0]
-    return logits.max(-1).indices  # argmax's first maximum too, ~3x faster on CPU (6 against 2 ms at 128 x 49,152)
+    return logits.max(-1).indices  # argmax's first maximum too: 2.0 against 7.7 ms at 128 x 49,152 on CPU
 
 
 def generate_batch(
