@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.backends.batch import pad_id
 from draftsmith.backends.stream import StreamDecoder
 from draftsmith.data import regenerate as regenerate_module
 from draftsmith.data import stage as stage_module
@@ -111,11 +112,20 @@ def multi_turn(n: int) -> list[Conversation]:
     return convs
 
 
+def by_turn_batches(monkeypatch, *args, **kwargs) -> Path:
+    """`regenerate` as an engine without rows that never drain runs it: one batched generate per turn."""
+    with monkeypatch.context() as patch:
+        patch.setattr(regenerate_module, "streamable", lambda model: False)
+        return regenerate(*args, **kwargs)
+
+
+@pytest.mark.parametrize("batch_size", [3, 8])
 @pytest.mark.parametrize("retokenised", [False, True], ids=["extends", "retokenised"])
-def test_stream_writes_what_turn_by_turn_batches_write(tmp_path, monkeypatch, retokenised):
+def test_stream_writes_what_turn_by_turn_batches_write(tmp_path, monkeypatch, retokenised, batch_size):
     """Rows that never drain (prompts fed a token a step beside rows still writing, later turns fed only their new
-    tokens, or the whole history again when it does not extend what the row holds) write every turn exactly as one
-    batched generate per turn does."""
+    tokens, or the whole history again when it does not extend what the row holds; at batch 8, rows left without a
+    conversation idle beside the others until a quarter of the rows do) write every turn exactly as one batched
+    generate per turn does."""
     target = tiny_target(seed=9)
     if retokenised:  # a later turn's prompt no longer starts with the tokens the row holds: it must restart
         encode = regenerate_module._encode_prompt
@@ -123,27 +133,31 @@ def test_stream_writes_what_turn_by_turn_batches_write(tmp_path, monkeypatch, re
             regenerate_module, "_encode_prompt",
             lambda t, history, *rest: [2 + len(history)] + encode(t, history, *rest),
         )  # fmt: skip
-    restarts = []
-    step = StreamDecoder.step
-    monkeypatch.setattr(
-        StreamDecoder, "step", lambda self, tokens, restart=(): restarts.extend(restart) or step(self, tokens, restart)
-    )
+    restarts, idle, step, pad = [], [], StreamDecoder.step, pad_id(target)
+
+    def counted(self, tokens, restart=(), shared=()):
+        restarts.extend(i for i in [*restart, *shared] if tokens[i] != pad)
+        idle.extend(i for i in restart if tokens[i] == pad)
+        return step(self, tokens, restart, shared)
+
+    monkeypatch.setattr(StreamDecoder, "step", counted)
     convs = multi_turn(11)
-    options = GEN | {"batch_size": 3, "max_new_tokens": 5}
-    record = Recording(target.fingerprint(), default_aux_layers(target.num_layers), "transformers")  # rows that
-    stream = read_jsonl(regenerate(target, convs, tmp_path / "stream.jsonl", record=record, **options))  # never drain
-    turns = read_jsonl(regenerate(target, convs, tmp_path / "turns.jsonl", **options))
+    options = GEN | {"batch_size": batch_size, "max_new_tokens": 5}
+    record = Recording(target.fingerprint(), default_aux_layers(target.num_layers), "transformers")
+    stream = read_jsonl(regenerate(target, convs, tmp_path / "stream.jsonl", record=record, **options))
+    turns = read_jsonl(by_turn_batches(monkeypatch, target, convs, tmp_path / "turns.jsonl", **options))
     assert len(stream) == len(convs) and {r["id"]: r for r in stream} == {r["id"]: r for r in turns}
     assert sum(len(r["messages"]) for r in stream) > 2 * len(convs)  # later turns were written
+    assert bool(idle) == (batch_size == 8)  # a third of 3 rows is compacted away at once
     later_turns = sum(m["role"] == "assistant" for r in stream for m in r["messages"]) - len(convs)
-    fresh = len(convs) - 3  # each conversation after the first three restarts a row
+    fresh = len(convs) - batch_size  # each conversation after the first batch restarts a row
     if retokenised:
         assert len(restarts) == fresh + later_turns
     else:  # the tiny tokenizer re-reads some replies differently ("t10" -> "t1" "0"): those turns restart too
         assert fresh <= len(restarts) < fresh + later_turns
 
 
-def test_smollm2_stream_writes_what_turn_by_turn_batches_write(smollm2, tmp_path):
+def test_smollm2_stream_writes_what_turn_by_turn_batches_write(smollm2, tmp_path, monkeypatch):
     """The real tokenizer and chat template: the text of every turn is the turn-by-turn batches' (which a test above
     holds to `model.generate`), and the recorded tokens and loss mask are `tokenize`'s."""
     _, builtin = load_eval_prompts("builtin")
@@ -154,7 +168,7 @@ def test_smollm2_stream_writes_what_turn_by_turn_batches_write(smollm2, tmp_path
     record = Recording(smollm2.fingerprint(), default_aux_layers(smollm2.num_layers), "transformers")
     out = regenerate(smollm2, convs, tmp_path / "stream.jsonl", record=record, **options)
     stream = read_jsonl(out)
-    turns = read_jsonl(regenerate(smollm2, convs, tmp_path / "turns.jsonl", **options))
+    turns = read_jsonl(by_turn_batches(monkeypatch, smollm2, convs, tmp_path / "turns.jsonl", **options))
     assert {r["id"]: r for r in stream} == {r["id"]: r for r in turns}
     assert sum(m["role"] == "assistant" for r in stream for m in r["messages"]) == 9
     recorded = RecordedFeatures(recorded_dir(out))  # what the rows fed is what `tokenize` reads, but the last "\n"
@@ -164,28 +178,32 @@ def test_smollm2_stream_writes_what_turn_by_turn_batches_write(smollm2, tmp_path
         assert (ids, mask) == (written[: len(ids)], learned[: len(ids)]) and len(written) - len(ids) == 1
 
 
-def test_resume_after_a_crash_writes_every_id_exactly_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "turn-batches"])
+def test_resume_after_a_crash_writes_every_id_exactly_once(tmp_path, monkeypatch, stream):
     target = tiny_target(seed=6)
     convs = prompts(9)
     reference = read_jsonl(regenerate(target, convs, tmp_path / "ref.jsonl", **(GEN | {"batch_size": 1})))
+    if not stream:
+        monkeypatch.setattr(regenerate_module, "streamable", lambda model: False)
 
     out = tmp_path / "r.jsonl"
-    real = regenerate_module.generate_batch
+    owner, name = (StreamDecoder, "step") if stream else (regenerate_module, "generate_batch")
+    real = getattr(owner, name)
     calls = []
 
-    def crash_on_third_batch(*args, **kwargs):
+    def crash_on_a_later_call(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == (20 if stream else 3):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(regenerate_module, "generate_batch", crash_on_third_batch)
+    monkeypatch.setattr(owner, name, crash_on_a_later_call)
     with pytest.raises(KeyboardInterrupt):
         regenerate(target, convs, out, **(GEN | {"batch_size": 2}))
-    assert len(read_jsonl(out)) == 4  # two whole batches reached the disk
+    assert len(read_jsonl(out)) == 4  # two whole batches (groups of two, streaming) reached the disk
     with out.open("a") as f:
         f.write('{"id": "p8", "messages": [{"role": "us')  # a torn last line, as a kill mid-write leaves
-    monkeypatch.setattr(regenerate_module, "generate_batch", real)
+    monkeypatch.setattr(owner, name, real)
 
     assert len(read_done_ids(out)) == 4 and out.read_text().endswith("\n")
     regenerate(target, convs, out, **(GEN | {"batch_size": 1}))
@@ -195,6 +213,7 @@ def test_resume_after_a_crash_writes_every_id_exactly_once(tmp_path, monkeypatch
 
     before = out.read_text()
     monkeypatch.setattr(regenerate_module, "generate_batch", None)  # a finished file needs no generation at all
+    monkeypatch.setattr(regenerate_module, "StreamDecoder", None)
     regenerate(target, convs, out, **GEN)
     assert out.read_text() == before
 
@@ -352,6 +371,7 @@ def test_stage_regenerates_prompts_and_synth_and_resumes(tmp_path, monkeypatch):
     before = (out / "regenerated.jsonl").read_text()
     monkeypatch.setattr(stage_module, "synthesize_prompts", None)
     monkeypatch.setattr(regenerate_module, "generate_batch", None)
+    monkeypatch.setattr(regenerate_module, "StreamDecoder", None)
     prompts_file.unlink()
     build_dataset([str(prompts_file), str(chats)], tmp_path / "data", **kwargs)
     assert (out / "regenerated.jsonl").read_text() == before

@@ -238,18 +238,22 @@ def test_regeneration_records_the_states_of_every_token_the_target_read(tmp_path
     convs = [Conversation(f"c{i}", [{"role": "user", "content": words(i)}] + follow_up * (i % 2)) for i in range(7)]
     target.eos_token_ids = {1} | set(range(40, 60))  # stop tokens besides the template's turn end (w01)
     options = {"temperature": 0.0, "max_new_tokens": 6, "batch_size": 3, "seed": 0, "progress": False}
-    restarts = []
-    step = StreamDecoder.step
-    monkeypatch.setattr(
-        StreamDecoder, "step", lambda self, tokens, restart=(): restarts.extend(restart) or step(self, tokens, restart)
-    )
+    restarts, after_prefix, step = [], [], StreamDecoder.step
+
+    def counted(self, tokens, restart=(), shared=()):
+        restarts.extend(restart)
+        after_prefix.extend(shared)
+        return step(self, tokens, restart, shared)
+
+    monkeypatch.setattr(StreamDecoder, "step", counted)
     out = regenerate(target, convs, tmp_path / "regenerated.jsonl", record=record, **options)
     monkeypatch.undo()
     (tmp_path / "plain").mkdir()
     plain = regenerate(target, convs, tmp_path / "plain" / "regenerated.jsonl", **options)
     assert {c["id"]: c for c in chats(out)} == {c["id"]: c for c in chats(plain)}  # a batch per turn, no states
     assert not recorded_dir(plain).exists()
-    assert len(restarts) == len(convs) - 3  # new conversations only: every later turn extended its row
+    # new conversations only, each after the prompts' shared opening ("w02 user"): every later turn extended its row
+    assert not restarts and len(after_prefix) == len(convs) - 3
     assert sorted(p.name for p in recorded_dir(out).iterdir()) == [
         "part-0000000.safetensors", "part-0000003.safetensors", "part-0000006.safetensors"
     ]  # fmt: skip
@@ -279,11 +283,11 @@ def test_a_crash_while_regenerating_leaves_states_for_every_conversation_on_disk
     whole = chats(regenerate(target, convs, tmp_path / "whole" / "regenerated.jsonl", record=record, **options))
     step, calls = StreamDecoder.step, []
 
-    def crash_on_step_12(self, tokens, restart=()):
+    def crash_on_step_12(self, tokens, restart=(), shared=()):
         calls.append(1)
         if len(calls) == 12:
             raise KeyboardInterrupt
-        return step(self, tokens, restart)
+        return step(self, tokens, restart, shared)
 
     monkeypatch.setattr(StreamDecoder, "step", crash_on_step_12)
     out = tmp_path / "regenerated.jsonl"

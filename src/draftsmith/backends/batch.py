@@ -150,11 +150,16 @@ def batch_cache(model, capacity: int, whole: bool = False) -> Cache:
     return Cache(layers=[PreallocatedLayer(capacity, whole) for _ in dynamic.layers])
 
 
-def left_padded(target: Target, prompts: Sequence[list[int]]) -> torch.Tensor:
-    """The prompts as one (rows, longest) id tensor, left-padded with the pad token (else the first EOS id)."""
-    width = max(len(p) for p in prompts)
+def pad_id(target: Target) -> int:
+    """The token padding rows that hold nothing: the pad token, else the first EOS id."""
     pad = target.tokenizer.pad_token_id
-    pad = min(target.eos_token_ids) if pad is None else pad
+    return min(target.eos_token_ids) if pad is None else pad
+
+
+def left_padded(target: Target, prompts: Sequence[list[int]]) -> torch.Tensor:
+    """The prompts as one (rows, longest) id tensor, left-padded with `pad_id`."""
+    width = max(len(p) for p in prompts)
+    pad = pad_id(target)
     return torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=target.device)
 
 

@@ -5,6 +5,9 @@ what one over all of them does, so the tail of every batch is mostly waste (rege
 rate that way). Here each row writes into its own slots of a preallocated KV cache: a row whose sequence ended is
 reset (its slots masked out, its positions back to 0) and fed its next prompt one token per step beside the rows
 still writing. Every step feeds one token per row, so at batch 64-128 a prompt token costs what a prefilled one does.
+
+A prefix every prompt repeats (a chat template's default system prompt: 20 of SmolLM2's ~94-token MT-bench prompts)
+is computed once (`share_prefix`); a row restarting on it copies its keys and values instead of feeding it again.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ class RowSlotsLayer(PreallocatedLayer):
         self._keys[rows, :, self.slots] = key_states[:, :, 0]
         self._values[rows, :, self.slots] = value_states[:, :, 0]
         return self._keys[:, :, : self.width], self._values[:, :, : self.width]
+
+    def write_prefix(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy one sequence's keys and values, (1, kv heads, length, dim), into slots [0, length) of `rows`."""
+        self._keys[rows, :, : keys.shape[-2]] = keys
+        self._values[rows, :, : values.shape[-2]] = values
 
     def grow(self, capacity: int) -> None:
         extra = capacity - self._keys.shape[-2]
@@ -84,18 +92,38 @@ class StreamDecoder:
         # Lower precisions read the whole buffer (masked): CPU bf16 matmuls copy a strided view first (see
         # `PreallocatedLayer`); float32 reads the used part in place.
         self.whole = self.model.dtype != torch.float32
+        self.prefix: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, (1, kv heads, prefix, dim) each
 
     @property
     def rows(self) -> int:
         return len(self.slots)
 
-    def step(self, tokens: Sequence[int], restart: Sequence[int] = ()) -> torch.Tensor:
-        """Feed `tokens` (one per row); the logits of the token after each, (rows, vocab)."""
-        if restart:
-            index = torch.tensor(restart, device=self.slots.device)
+    @property
+    def prefix_length(self) -> int:
+        return self.prefix[0][0].shape[-2] if self.prefix else 0
+
+    def share_prefix(self, tokens: Sequence[int]) -> None:
+        """Run `tokens` once, alone, and keep their keys and values for the rows `step` restarts on them."""
+        ids = torch.tensor([list(tokens)], device=self.slots.device)
+        cache = batch_cache(self.model, ids.shape[1])
+        prefill(self.model, ids, torch.ones_like(ids, dtype=torch.bool), cache)
+        self.prefix = [(layer.keys, layer.values) for layer in cache.layers]
+
+    def step(self, tokens: Sequence[int], restart: Sequence[int] = (), shared: Sequence[int] = ()) -> torch.Tensor:
+        """Feed `tokens` (one per row); the logits of the token after each, (rows, vocab). Rows in `restart` begin a
+        new sequence with their token; rows in `shared` begin one after the shared prefix (`share_prefix`)."""
+        if restart or shared:
+            index = torch.tensor([*restart, *shared], device=self.slots.device)
             self.attend[index] = False
             self.slots[index] = 0
             self.positions[index] = 0
+        if shared:
+            index, length = torch.tensor(shared, device=self.slots.device), self.prefix_length
+            for layer, (keys, values) in zip(self.cache.layers, self.prefix, strict=True):
+                layer.write_prefix(index, keys, values)
+            self.attend[index, :length] = True
+            self.slots[index] = length
+            self.positions[index] = length
         rows = torch.arange(self.rows, device=self.slots.device)
         self.width = max(self.width, int(self.slots.max()) + 1)
         if self.width > self.attend.shape[1]:  # a sequence longer than the capacity: grow every buffer

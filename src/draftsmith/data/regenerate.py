@@ -24,6 +24,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 
-from draftsmith.backends.batch import batched_attention, choose, generate_batch
+from draftsmith.backends.batch import batched_attention, choose, generate_batch, pad_id
 from draftsmith.backends.hf import TransformersBackend
 from draftsmith.backends.stream import StreamDecoder, streamable
 from draftsmith.data.sources import Conversation, Message
@@ -75,7 +76,8 @@ def regenerate(
     plans = {c.id: _plan(c) for c in conversations}
     done = read_done_ids(out_path)
     pending = [c.id for c in conversations if c.id not in done]
-    first_len = {cid: _prompt_len(target, plans[cid][: plans[cid].index(None)]) for cid in pending}
+    first = {cid: _encode_prompt(target, plans[cid][: plans[cid].index(None)]) for cid in pending}
+    first_len = {cid: len(prompt) for cid, prompt in first.items()}
     too_long = [cid for cid in pending if first_len[cid] + max_new_tokens > target.context_length]
     if too_long:
         raise DataError(
@@ -94,10 +96,7 @@ def regenerate(
         out_path.open("a", encoding="utf-8") as out,
     ):
         task = bar.add_task("regenerate", total=len(conversations), completed=len(conversations) - len(pending))
-        # Rows that never drain feed each new prompt a token per step: a prompt token then costs a decode slot,
-        # ~2x a prefilled one on a CPU in bf16 (benchmarks/data_throughput.py: 396 against 450 tokens/s for a batch
-        # per turn), so they run only when they save more: recording, which takes the second pass out.
-        if pending and record is not None and engine is not None and streamable(engine.model):
+        if pending and engine is not None and streamable(engine.model):
 
             def advance() -> None:
                 bar.update(task, advance=1, description=f"regenerate ({stats.tokens_per_s:.0f} tokens/s)")
@@ -105,7 +104,8 @@ def regenerate(
             with _Output(out, len(done), batch_size, recorded_dir(out_path), record, advance) as output:
                 torch.manual_seed(_batch_seed(seed, pending))
                 _regenerate_stream(
-                    engine, pending, plans, temperature, max_new_tokens, batch_size, stats, output.add, record
+                    engine, pending, plans, temperature, max_new_tokens, batch_size, stats, output.add, record,
+                    common_prefix(list(first.values())),
                 )  # fmt: skip
         else:  # an engine of its own (vLLM) batches inside: hand it one turn of a batch of conversations at a time
             for start in range(0, len(pending), batch_size):
@@ -176,8 +176,15 @@ def _plan(conv: Conversation) -> list[Message | None]:
     return plan
 
 
-def _prompt_len(target: Target, history: list[Message]) -> int:
-    return len(_encode_prompt(target, history))
+def common_prefix(prompts: Sequence[list[int]]) -> list[int]:
+    """The tokens every prompt opens with (a chat template's default system prompt), leaving each prompt at least
+    one token of its own."""
+    if not prompts:
+        return []
+    shortest = min(map(len, prompts)) - 1
+    first = prompts[0][:shortest]
+    end = next((i for i, token in enumerate(first) if any(p[i] != token for p in prompts)), len(first))
+    return first[:end]
 
 
 def _encode_prompt(target: Target, history: list[Message], generation_prompt: bool = True) -> list[int]:
@@ -349,6 +356,18 @@ class _Job:
         self.forced = deque((t, 0) for t in prompt)
         return True
 
+    def skip_prefix(self, prefix: list[int], states: tuple[torch.Tensor, ...] | None) -> bool:
+        """Whether the tokens to feed open with `prefix`, whose keys and values (and recorded `states`) the decoder
+        holds: they are then counted as fed, and the row starts after them."""
+        n = len(prefix)
+        if not n or len(self.forced) <= n or [token for token, _ in list(self.forced)[:n]] != prefix:
+            return False
+        for _ in range(n):
+            self.feed()
+        if states:
+            self.states.append(states)
+        return True
+
     def feed(self) -> int:
         token, learned = self.forced.popleft()
         self.fed.append(token)
@@ -373,7 +392,8 @@ def _regenerate_stream(
     batch_size: int,
     stats: _Stats,
     finish: Callable[[dict, RecordedSample | None], None],
-    record: Recording,
+    record: Recording | None,
+    prefix: list[int],
 ) -> None:
     """Regenerate `pending` in `batch_size` rows that never drain (`StreamDecoder`), handing each conversation to
     `finish` as it ends. A row that finishes a turn feeds only the next prompt's new tokens (the template and the
@@ -383,7 +403,10 @@ def _regenerate_stream(
 
     `record`: the states of every fed token are kept per conversation (`Target.recording`), with the loss mask
     `tokenize` gives (reply tokens and the token after each reply); the row also feeds the tokens that end the
-    last reply, so the recorded conversation is `tokenize`'s up to its last learned token."""
+    last reply, so the recorded conversation is `tokenize`'s up to its last learned token.
+
+    `prefix`: tokens that open every prompt, run once; a row starting a prompt that opens with them copies their keys
+    and values instead of feeding them (`StreamDecoder.share_prefix`)."""
     queue = deque(pending)
 
     def next_job() -> _Job | None:
@@ -401,39 +424,53 @@ def _regenerate_stream(
         return
     first = [[job.feed() for _ in range(len(job.forced))] for job in jobs]  # prefilled together
     began = time.perf_counter()
-    with torch.inference_mode(), batched_attention(target.model), target.recording(record.layer_ids) as states:
+    recording = target.recording(record.layer_ids) if record else nullcontext([])
+    with torch.inference_mode(), batched_attention(target.model), recording as states:
         decoder = StreamDecoder(target, first, max(map(len, first)) + max_new_tokens)
         if states:  # the prefill's, each row's after its left padding (kept in host memory until written)
             for job, prompt, *row in zip(jobs, first, *(t.cpu() for t in states[0]), strict=True):
                 job.states.append(tuple(t[-len(prompt) :] for t in row))
-        while jobs:
-            writing = [i for i, job in enumerate(jobs) if not (job.forced or job.done)]
+        states.clear()
+        if prefix:
+            decoder.share_prefix(prefix)
+        prefix_states = tuple(t[0].cpu() for t in states[0]) if states else None
+        pad = pad_id(target)
+        while True:
+            writing = [i for i, job in enumerate(jobs) if job and not (job.forced or job.done)]
             chosen = dict(zip(writing, choose(decoder.logits[writing], temperature).tolist(), strict=True))
-            rows, live, feed, restart = [], [], [], []
+            fresh = [False] * len(jobs)
             for i, job in enumerate(jobs):
-                fresh = i in chosen and not job.write(chosen[i], target.eos_token_ids, max_new_tokens)
-                fresh = fresh and job.turn_over(target, chosen[i], max_new_tokens, stats)
+                if job is None:
+                    continue
+                fresh[i] = i in chosen and not job.write(chosen[i], target.eos_token_ids, max_new_tokens)
+                fresh[i] = fresh[i] and job.turn_over(target, chosen[i], max_new_tokens, stats)
                 if job.done and not job.forced:  # the conversation is over: the row takes the next one, if any
                     finish({"id": job.cid, "messages": job.messages}, job.sample())
-                    job = next_job()
-                    if job is None:
-                        continue
-                    fresh = True
-                restart += [len(live)] * fresh
-                rows.append(i)
-                live.append(job)
-                feed.append(job.feed())
+                    jobs[i], fresh[i] = next_job(), True
             stats.seconds = time.perf_counter() - began
-            if not live:
+            busy = [i for i, job in enumerate(jobs) if job]
+            if not busy:
                 break
-            if len(live) < len(jobs):
-                decoder.keep(rows)
-            jobs = live
+            # Dropping rows copies the whole cache (~0.4 s at 256 rows and 800 slots): done once a quarter of the
+            # rows idle, not for every row that runs out of conversations.
+            if 4 * (len(jobs) - len(busy)) > len(jobs):
+                decoder.keep(busy)
+                jobs, fresh = [jobs[i] for i in busy], [fresh[i] for i in busy]
+            feed, restart, shared = [], [], []
+            for i, job in enumerate(jobs):
+                if job is None:  # idle until the next compaction: a pad token that starts over every step
+                    restart.append(i)
+                    feed.append(pad)
+                    continue
+                if fresh[i]:
+                    (shared if job.skip_prefix(prefix, prefix_states) else restart).append(i)
+                feed.append(job.feed())
             states.clear()
-            decoder.step(feed, restart)
+            decoder.step(feed, restart, shared)
             if states:
                 for job, *row in zip(jobs, *(t.cpu() for t in states[0]), strict=True):
-                    job.states.append(tuple(row))
+                    if job:
+                        job.states.append(tuple(row))
     stats.seconds = time.perf_counter() - began
 
 
