@@ -6,8 +6,9 @@ rate that way). Here each row writes into its own slots of a preallocated KV cac
 reset (its slots masked out, its positions back to 0) and fed its next prompt one token per step beside the rows
 still writing. Every step feeds one token per row, so at batch 64-128 a prompt token costs what a prefilled one does.
 
-A prefix every prompt repeats (a chat template's default system prompt: ~20 of SmolLM2's ~94-token MT-bench and GSM8K prompts)
-is computed once (`share_prefix`); a row restarting on it copies its keys and values instead of feeding it again.
+A prefix every prompt repeats (a chat template's default system prompt: ~20 of SmolLM2's ~94-token MT-bench and
+GSM8K prompts) is computed once (`share_prefix`); a row restarting on it copies its keys and values instead of
+feeding it again.
 """
 
 from __future__ import annotations
