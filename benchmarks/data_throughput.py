@@ -4,9 +4,8 @@ The measurements in one run, on the same prompts and the same (packed) target:
 
 - prefill: one forward (no cache, `logits_to_keep=1`) over batches of the regenerated prompt+answer rows, sorted
   by length so little padding is computed, each batch up to `--prefill-tokens` tokens padding included (not
-  `--batch-size` rows: a batch of 384 rows from 42 to 530 tokens computed 2.5x the tokens it held and ran at half
-  the rate), with the data stage's attention (`batched_attention`). The upper bound: every weight read once serves
-  a whole batch of tokens.
+  `--batch-size` rows: a batch of 384 rows from 42 to 530 tokens computed ~2.5x the tokens it held), with the data
+  stage's attention (`batched_attention`). The upper bound: every weight read once serves a whole batch of tokens.
 - regeneration: `draftsmith.data.regenerate.regenerate` (the `draftsmith data --regenerate` code path, greedy) over
   the prompts at `--batch-size`; tokens/s counts every token the target wrote, stop tokens included (re-tokenised
   from the output).

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -363,7 +364,7 @@ class _Job:
         """Whether the tokens to feed open with `prefix`, whose keys and values (and recorded `states`) the decoder
         holds: they are then counted as fed, and the row starts after them."""
         n = len(prefix)
-        if not n or len(self.forced) <= n or [token for token, _ in list(self.forced)[:n]] != prefix:
+        if not n or len(self.forced) <= n or [token for token, _ in islice(self.forced, n)] != prefix:
             return False
         for _ in range(n):
             self.feed()
