@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.backends.batch import batched_attention
+from draftsmith.backends.batch import batched_attention, pad_id
 from draftsmith.data import regenerate as regenerate_module
 from draftsmith.data import selfchat as selfchat_module
 from draftsmith.data.selfchat import self_chat
@@ -130,7 +130,7 @@ def run_prefill(target: Target, rows: list[list[int]], budget: int) -> tuple[int
         if (len(batches[-1]) + 1) * len(row) > budget:
             batches.append([])
         batches[-1].append(row)
-    pad = target.tokenizer.pad_token_id or 0
+    pad = pad_id(target)
     start = time.perf_counter()
     with torch.inference_mode(), batched_attention(model):  # the attention the data stage's batches run
         for batch in batches:

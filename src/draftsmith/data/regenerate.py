@@ -81,16 +81,15 @@ def regenerate(
     done = read_done_ids(out_path)
     pending = [c.id for c in conversations if c.id not in done]
     first = {cid: _encode_prompt(target, plans[cid][: plans[cid].index(None)]) for cid in pending}
-    first_len = {cid: len(prompt) for cid, prompt in first.items()}
-    too_long = [cid for cid in pending if first_len[cid] + max_new_tokens > target.context_length]
+    too_long = [cid for cid in pending if len(first[cid]) + max_new_tokens > target.context_length]
     if too_long:
         raise DataError(
-            f"{len(too_long)} conversations (first {too_long[0]!r}) have a first prompt of {first_len[too_long[0]]} "
+            f"{len(too_long)} conversations (first {too_long[0]!r}) have a first prompt of {len(first[too_long[0]])} "
             f"tokens, which with {max_new_tokens} new tokens exceeds the context of {target.name} "
             f"({target.context_length} tokens)",
             hint="lower --max-new-tokens or drop the longest conversations",
         )
-    pending.sort(key=first_len.__getitem__)  # similar prompt lengths share a batch: less padding
+    pending.sort(key=lambda cid: len(first[cid]))  # similar prompt lengths share a batch: less padding
 
     stats = _Stats()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
