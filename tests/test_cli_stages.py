@@ -29,6 +29,10 @@ def test_data_extract_vocab_train_eval_chain(tmp_path):
                        "--checkpoint-every", "2", "--eval-every", "2", "--warmup-steps", "1"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert (tmp_path / "run" / "latest").is_file() and (tmp_path / "run" / "metrics.jsonl").is_file()
+    result = run(app, ["train", str(tmp_path / "store"), "--vocab", str(tmp_path / "vocab"), "--target", model,
+                       "--out", str(tmp_path / "run3"), "--batch-size", "2", "--micro-batch-size", "3",
+                       "--bf16", "auto"])  # fmt: skip
+    assert result.exit_code == 2 and "not a multiple of micro_batch_size 3" in result.output
     result = run(app, ["eval", "--target", model, "--drafter", str(tmp_path / "run"), "--dataset", str(convs),
                        "--limit", "2", "--max-new-tokens", "12", "--out", str(tmp_path / "eval")])  # fmt: skip
     assert result.exit_code == 0, result.output

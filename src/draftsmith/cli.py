@@ -232,6 +232,7 @@ def train(
     max_minutes: Annotated[float | None, typer.Option(help="or as many steps as fit in this time (re-planned)")] = None,
     epochs: float = 1.0,
     batch_size: int = 8,
+    micro_batch_size: Annotated[int, typer.Option(help="sequences a forward (padded to the longest)")] = 1,
     lr: float = 1e-4,
     warmup_steps: int = 20,
     ttt_steps: Annotated[int, typer.Option(help="training-time-test unroll length K")] = 7,
@@ -273,6 +274,7 @@ def train(
     draft_vocab: Annotated[bool, typer.Option(help="dflash: score only --vocab's tokens when drafting")] = False,
     draft_loss: Annotated[bool, typer.Option(help="dflash: score the training loss over them too (faster)")] = False,
     compile: Annotated[str, typer.Option(help="torch.compile EAGLE-3's TTT forward: true | false | auto")] = "false",
+    bf16: Annotated[str, typer.Option(help="bf16 autocast: true | false | auto (where bf16 is native)")] = "false",
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Train an EAGLE-3 drafter with the training-time test, or (--algo dflash) a DFlash block drafter (resumes by
