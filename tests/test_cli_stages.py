@@ -33,6 +33,9 @@ def test_data_extract_vocab_train_eval_chain(tmp_path):
                        "--out", str(tmp_path / "run3"), "--batch-size", "2", "--micro-batch-size", "3",
                        "--bf16", "auto"])  # fmt: skip
     assert result.exit_code == 2 and "not a multiple of micro_batch_size 3" in result.output
+    result = run(app, ["train", str(tmp_path / "store"), "--vocab", str(tmp_path / "vocab"), "--target", model,
+                       "--out", str(tmp_path / "run4"), "--bf16", "maybe"])  # fmt: skip
+    assert result.exit_code == 2 and "invalid bf16" in result.output  # refused by the config, not by typer
     result = run(app, ["eval", "--target", model, "--drafter", str(tmp_path / "run"), "--dataset", str(convs),
                        "--limit", "2", "--max-new-tokens", "12", "--out", str(tmp_path / "eval")])  # fmt: skip
     assert result.exit_code == 0, result.output
