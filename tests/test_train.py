@@ -199,6 +199,15 @@ def test_resume_refuses_a_different_config(tmp_path):
         )
 
 
+def test_a_bad_value_of_a_union_typed_setting_names_the_setting_and_every_accepted_form():
+    with pytest.raises(ConfigError) as err:
+        TrainConfig.checked(bf16="maybe")
+    assert str(err.value).startswith("invalid bf16='maybe': ") and "'auto'" in str(err.value)
+    assert "bf16.bool" not in str(err.value) and "--bf16)" in err.value.hint
+    with pytest.raises(ConfigError, match=r"invalid lr='fast': Input should be a valid number"):
+        TrainConfig.checked(lr="fast")
+
+
 def test_bad_inputs_fail_before_training(tmp_path):
     _, data, weights, config = setup(count=4)
     with pytest.raises(ConfigError, match="not a multiple"):

@@ -1,5 +1,6 @@
 """Pydantic models for each stage's settings, so a CLI flag, a YAML profile and a manifest mean the same thing."""
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -17,10 +18,14 @@ class StageConfig(BaseModel):
         try:
             return cls(**values)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            field = ".".join(str(p) for p in err["loc"]) or cls.__name__
+            errors = exc.errors()
+            # A field typed as a union (`bf16: bool | "auto"`) fails once per member, each located under the member's
+            # type ("bf16.bool"): name the field itself, with what each member wanted.
+            same = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
+            field = ".".join(str(p) for p in os.path.commonprefix([e["loc"] for e in same])) or cls.__name__
+            wanted = " or ".join(dict.fromkeys(e["msg"] for e in same))
             raise ConfigError(
-                f"invalid {field}={err.get('input')!r}: {err['msg']}",
+                f"invalid {field}={errors[0].get('input')!r}: {wanted}",
                 hint=f"fix {field} (on the command line: --{field.replace('_', '-')})",
             ) from None
 

@@ -258,6 +258,10 @@ def load_target(
             "or a hub id (needs internet)",
         ) from None
     model = model.to(device)
+    if model.device.type == "cpu":  # key/value heads grouped inside SDPA, not copied (`masked_gqa_attention`)
+        from draftsmith.backends.batch import masked_gqa_attention  # noqa: F401 - registers it; imports this module
+
+        model.set_attn_implementation("draftsmith_gqa")
     if packed:
         pack_linears(model)  # float32 on CPU only; elsewhere a no-op
     return Target(name_or_path, model, tokenizer)
