@@ -201,16 +201,18 @@ def test_learned_drafter_tree_reports_its_chains_side_by_side(tmp_path):
     tune = tmp_path / "tune.json"  # as `draftsmith tune` writes it: the best shape and the table
     rows = [{"shape": "depth=3,topk=2,total=6", "depth": 3, "topk": 2, "total": 6, "tokens_per_s": 30.0},
             {"shape": "depth=2,topk=1,total=2", "depth": 2, "topk": 1, "total": 2, "tokens_per_s": 20.0}]  # fmt: skip
-    tune.write_text(json.dumps({"best": rows[0], "shapes": rows}))
+    tune.write_text(json.dumps({"best": rows[0], "shapes": rows, "baseline_tokens_per_s": 16.0}))
     cfg = EvalConfig(drafter=str(tmp_path / "run"), dataset=str(prompts), max_new_tokens=16, num_draft_tokens=2,
                      tree=str(tune), out=tmp_path / "eval")  # fmt: skip
     (report,) = run_eval(cfg, target)
     assert report["tree"] == "depth=3,topk=2,total=6" and report["num_draft_tokens"] == 6
-    assert report["predicted_tokens_per_s"] == 30.0 and report["predicted_tokens_per_s_chain"] == 20.0
+    assert report["predicted_tokens_per_s"] == 30.0 and report["predicted_tokens_per_s_fixed"] == 20.0
+    assert report["predicted_speedup"] == 30.0 / 16.0 and report["predicted_speedup_fixed"] == 20.0 / 16.0
     assert report["mismatches"] == report["mismatches_fixed"] == report["mismatches_adaptive"] == 0
     assert len(report["acceptance_by_position"]) == 6 and len(report["acceptance_by_position_fixed"]) == 2
     text = (tmp_path / "eval" / "report.md").read_text()
     assert "fixed chain: acceptance length" in text and "adaptive chain: speedup" in text
+    assert "| tune predicted: fixed chain: speedup | 1.25x |" in text
     assert "| draft position (fixed chain) |" in text
     (replayed,) = run_eval(cfg.model_copy(update={"fixed_chain": "replayed", "out": tmp_path / "replayed"}), target)
     assert replayed["fixed_chain"] == "replayed" and replayed["speedup_fixed"] is None

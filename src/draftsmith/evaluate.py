@@ -240,8 +240,9 @@ FIXED_ROWS = [
 
 
 PREDICTED_ROWS = [
-    ("tune predicted: speculative tokens/s", "predicted_tokens_per_s", "{:.1f}"),
-    ("tune predicted: fixed chain tokens/s", "predicted_tokens_per_s_chain", "{:.1f}"),
+    (f"tune predicted: {title}{what}", f"predicted_{key}{suffix}", fmt)
+    for suffix, title in (("", ""), ("_fixed", "fixed chain: "), ("_merged", "merged chain: "))
+    for what, key, fmt in (("speculative tokens/s", "tokens_per_s", "{:.1f}"), ("speedup", "speedup", "{:.2f}x"))
 ]
 # A tree's other runs beside its fixed chain (`_fixed`): its drafter's adaptive or merged chain.
 TWIN_TITLES = {"_adaptive": "adaptive chain", "_merged": "merged chain"}

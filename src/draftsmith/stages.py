@@ -278,11 +278,12 @@ def evaluate(cfg: EvalConfig, target: Target) -> list[dict]:
         tree_report = merge_fixed(tree_report | {"tree": str(shape), "tree_verified": cut}, fixed)
         if replay is not None:
             tree_report["fixed_chain"] = "replayed"
+        merged = isinstance(drafters[0], MergedDrafter)
         if twin is not None:
-            suffix = "_merged" if isinstance(drafters[0], MergedDrafter) else "_adaptive"
-            tree_report = merge_fixed(tree_report, rest.pop(0), suffix)
+            tree_report = merge_fixed(tree_report, rest.pop(0), "_merged" if merged else "_adaptive")
         if cfg.tree.endswith(".json"):  # what tune predicted for both, to hold against what was measured
-            tree_report |= predicted_speeds(Path(cfg.tree), shape, cfg.num_draft_tokens)
+            chain = "_merged" if merged else "_fixed"  # tune's chain of a merged drafter is the merged chain
+            tree_report |= predicted_speeds(Path(cfg.tree), shape, cfg.num_draft_tokens, chain)
         reports = [tree_report, *rest]
     elif twin is None:
         reports = evaluate_drafters(target, drafters, dataset, prompts, cfg)

@@ -318,14 +318,21 @@ def read_tune(path: Path) -> TreeShape:
         ) from None
 
 
-def predicted_speeds(path: Path, shape: TreeShape, chain: int) -> dict:
-    """Tune's predicted tokens/s for `shape` and for a chain of `chain` tokens, where its table has them."""
-    rows = {row["shape"]: row["tokens_per_s"] for row in json.loads(path.read_text())["shapes"]}
-    found = {
-        "predicted_tokens_per_s": rows.get(str(shape)),
-        "predicted_tokens_per_s_chain": rows.get(str(TreeShape(chain, 1, chain))),
-    }
-    return {k: v for k, v in found.items() if v is not None}
+def predicted_speeds(path: Path, shape: TreeShape, chain: int, chain_suffix: str = "_fixed") -> dict:
+    """Tune's predicted tokens/s and speed-up for `shape` (the report's main fields) and for a chain of `chain` tokens
+    (`chain_suffix`: `_fixed`, or `_merged` when the drafter tuned was a merge, whose chain is the merged one), where
+    its table has them. The speed-up is over the plain decoding tune timed: a host that runs a few % faster or slower
+    by the time eval measures moves both tokens/s alike, not their ratio."""
+    report = json.loads(path.read_text())
+    speeds = {row["shape"]: row["tokens_per_s"] for row in report["shapes"]}
+    plain = report.get("baseline_tokens_per_s")
+    found = {}
+    for suffix, key in (("", str(shape)), (chain_suffix, str(TreeShape(chain, 1, chain)))):
+        if key in speeds:
+            found[f"predicted_tokens_per_s{suffix}"] = speeds[key]
+            if plain:
+                found[f"predicted_speedup{suffix}"] = speeds[key] / plain
+    return found
 
 
 def check_tree_spec(spec: str | None) -> str | None:
