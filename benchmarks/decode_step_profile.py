@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from draftsmith.backends import batch
+from draftsmith import attention as attention_module
 from draftsmith.backends.batch import BatchDecoder, batched_attention, choose
 from draftsmith.target import load_target
 
@@ -74,12 +74,12 @@ ATTENTION = ("kernel", "torch")
 @contextmanager
 def attention(arm: str):
     """`torch`: bf16 decode attention by torch's batched matmuls (the native kernel switched off for the block)."""
-    saved = batch.LOW_PRECISION
-    batch.LOW_PRECISION = batch.LOW_PRECISION if arm == "kernel" else ()
+    saved = attention_module.LOW_PRECISION
+    attention_module.LOW_PRECISION = attention_module.LOW_PRECISION if arm == "kernel" else ()
     try:
         yield
     finally:
-        batch.LOW_PRECISION = saved
+        attention_module.LOW_PRECISION = saved
 
 
 def time_steps(target, prompts: list[list[int]], n: int) -> list[float]:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from draftsmith.backends import batch as batch_module
+from draftsmith import attention as attention_module
 from draftsmith.backends.batch import (
     BatchDecoder,
     PreallocatedLayer,
@@ -143,7 +143,7 @@ def test_the_native_decode_attention_computes_what_float32_attention_computes(kv
     want = F.scaled_dot_product_attention(
         query.float(), key.float(), value.float(), attn_mask=mask, enable_gqa=True
     ).transpose(1, 2)
-    got = batch_module._decode_attention(query, key, value, mask, None)
+    got = attention_module._decode_attention(query, key, value, mask, None)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
     assert (got.float() - want).abs().max() < 0.5 * (torch_path(query, key, value, mask).float() - want).abs().max()
@@ -151,8 +151,8 @@ def test_the_native_decode_attention_computes_what_float32_attention_computes(kv
 
 def torch_path(query, key, value, mask):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(batch_module, "LOW_PRECISION", ())
-        return batch_module._decode_attention(query, key, value, mask, None)
+        patch.setattr(attention_module, "LOW_PRECISION", ())
+        return attention_module._decode_attention(query, key, value, mask, None)
 
 
 def test_bf16_decoding_with_the_native_attention_is_as_close_to_float32_as_torchs():
@@ -178,10 +178,10 @@ def test_bf16_decoding_with_the_native_attention_is_as_close_to_float32_as_torch
             return kernel.decode_attention(*args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(batch_module, "native_kernel", lambda name: Counting)
+        patch.setattr(attention_module, "native_kernel", lambda name: Counting)
         native = decode_logits(bf16, feed=exact[1])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(batch_module, "LOW_PRECISION", ())
+        patch.setattr(attention_module, "LOW_PRECISION", ())
         torchs = decode_logits(bf16, feed=exact[1])
     assert len(calls) == 8 * config.num_hidden_layers
     error = {name: (got[0][1:] - exact[0][1:]).abs().mean() for name, got in (("native", native), ("torch", torchs))}

@@ -8,7 +8,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = {
-    0: "target packed native config errors progress util",
+    0: "target attention packed native config errors progress util",
     1: "train decode drafters data store vocab online backends",
     2: "evaluate tune formats engines serve bench",
     3: "stages",

@@ -31,6 +31,7 @@ from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.constants import ENDPOINT as HF_ENDPOINT
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from draftsmith.attention import ATTENTION
 from draftsmith.errors import TargetError
 from draftsmith.packed import pack_linears
 from draftsmith.util import fsync_tree, replace_durable
@@ -258,10 +259,8 @@ def load_target(
             "or a hub id (needs internet)",
         ) from None
     model = model.to(device)
-    if model.device.type == "cpu":  # key/value heads grouped inside SDPA, not copied (`masked_gqa_attention`)
-        from draftsmith.backends.batch import masked_gqa_attention  # noqa: F401 - registers it; imports this module
-
-        model.set_attn_implementation("draftsmith_gqa")
+    if model.device.type == "cpu":  # key/value heads grouped inside SDPA, not copied (`attention.py`)
+        model.set_attn_implementation(ATTENTION)
     if packed:
         pack_linears(model)  # float32 on CPU only; elsewhere a no-op
     return Target(name_or_path, model, tokenizer)
