@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+from draftsmith.attention import ATTENTION
 from draftsmith.data.tokenize import encode_chat
+from draftsmith.decode import tree
 from draftsmith.errors import TargetError
 from draftsmith.target import load_target
 from tests.conftest import tiny_target
@@ -59,6 +61,26 @@ def test_builtin_smollm2_loads_with_its_chat_template(smollm2):
     ref = reference_hidden_states(smollm2, ids)
     torch.testing.assert_close(out.aux_hidden[:, 576 * 2 :], ref[27][0])
     assert len(smollm2.fingerprint()) == 16
+    assert smollm2.model.config._attn_implementation == ATTENTION  # grouped-query SDPA on a CPU target
+
+
+def test_the_grouped_attention_computes_what_transformers_attention_computes():
+    """A CPU target runs `attention.ATTENTION` (`load_target`): a prefill, a one-token step and a verify forward
+    under a draft tree's mask give the logits transformers' own SDPA gives (which copies the grouped heads)."""
+    target = tiny_target(2, layers=3)
+    parents = torch.tensor([-1, -1, 0, 0, 2])
+    logits = {}
+    for implementation in ("sdpa", ATTENTION):
+        target.model.set_attn_implementation(implementation)
+        cache = target.new_cache()
+        prefill = target.forward(torch.tensor([0, 4, 8, 15, 16, 23]), cache)
+        step = target.forward(torch.tensor([5]), cache)
+        past = cache.get_seq_length()
+        mask, positions = tree.verify_mask(parents, past, torch.float32), tree.verify_positions(parents, past)
+        verify = target.forward(torch.tensor([6, 7, 9, 11, 13, 17]), cache, attention_mask=mask, position_ids=positions)
+        logits[implementation] = (prefill.logits, step.logits, verify.logits)
+    for ours, theirs in zip(logits[ATTENTION], logits["sdpa"], strict=True):
+        torch.testing.assert_close(ours, theirs)
 
 
 @pytest.mark.integration
