@@ -71,7 +71,7 @@ def test_a_prefill_makes_the_copy_of_its_kernel_only(prefill, monkeypatch):
 
 def test_the_row_kernel_computes_a_row_alike_whatever_rows_share_the_call():
     """A verify forward over k tokens must compute each position exactly as a one-token decode does: bit for bit,
-    at shapes that are not multiples of its 64-column blocks or its 4-row register tiles, over several passes."""
+    at shapes that are not multiples of its 32-column blocks or its 12-row register tiles, over several passes."""
     needs_rows_kernel("rows")
     torch.manual_seed(0)
     layer = nn.Linear(75, 131)

@@ -8,10 +8,10 @@ budget has to win back every bit of that. Three kernels, each with its weight co
 - `onednn`: oneDNN's packed kernel, fastest for many rows (prefill) and, on an AVX512 EPYC, for one (31.2 ms a
   one-token target forward against 44.0 with `F.linear`);
 - `rows`: draftsmith's own (`kernels/rows.cpp`, compiled once for this CPU): reads each weight once, a few KB ahead,
-  whatever the row count, so on the AMX Xeon the linears of SmolLM2-135M cost 21-22 ms for 1-4 rows and 28 for 8
-  (`linear`/`onednn`: 21 / 37 / 36 ms at 1 / 4 / 8), and 34 against 41 at 16 rows, 76 against 86 at 64 (one-off
-  timings, docs/measurements-log.md; whole forwards: `benchmarks/verify_cost.py`). Every output is one FMA chain
-  in order, so a row's result does not depend on how many rows share the call.
+  for up to 12 rows at a time, so on the AVX512 EPYC the linears of SmolLM2-135M cost 17-18 ms for 1-8 rows and 22
+  for 12 (with 4 rows a pass: 17 / 23 / 29 ms at 1 / 8 / 12; one-off timings, docs/measurements-log.md; whole
+  forwards: `benchmarks/verify_cost.py`). Every output is one FMA chain in order, so a row's result does not depend
+  on how many rows share the call.
 Which kernel serves each row count up to 64 (decode, verify, trees) is timed once a process (`kernel_by_rows`);
 above 64 rows (prefill) `F.linear` on the weight itself serves unless oneDNN is clearly faster (`prefill_kernel`), so
 that its copy, as large as the weights, is made only where it pays.

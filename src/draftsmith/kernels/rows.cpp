@@ -1,7 +1,11 @@
-// y = x W^T for a few input rows, streaming W once: a target's decode and verify forwards are memory-bound, so
-// 1-8 rows should cost about what one row costs. W is stored as blocks of 64 output columns, [K][64] each, so the
-// kernel reads one sequential stream per block and keeps 4 rows x 64 columns of sums in registers; rows 5+ make a
-// second pass over the block while it is still in the cache.
+// y = x W^T for a few input rows, streaming W once: a target's decode and verify forwards are memory-bound, so a
+// verify over up to 12 tokens should cost about what a one-token decode costs. W is stored as blocks of 32 output
+// columns, [K][32] each, so a block is one sequential stream. A tile keeps R <= 12 rows x 2 vectors of 16 columns of
+// sums in registers (24 of AVX-512's 32), so up to 12 rows share one read of each weight from memory and their FMAs
+// run in the shadow of that stream; each further group of up to 12 rows re-reads the block while it is in L2. With
+// blocks of 64 columns only 4-6 rows fitted the registers, and every further group's FMAs came after the stream
+// instead of beside it: whole SmolLM2-135M forwards over 8 / 12 / 16 tokens cost 1.13 / 1.23 / 1.16x what these
+// cost (docs/measurements-log.md).
 //
 // Every output is one FMA chain over k in order, whatever the row count and thread split, so a row's result does not
 // depend on how many rows share the call: a verify forward computes each position exactly as a one-token decode does.
@@ -9,10 +13,14 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 
 typedef float v16 __attribute__((vector_size(64)));
-constexpr int64_t COLS = 64;         // output columns per block: 4 vectors of 16
-constexpr int64_t PREFETCH = 4096;   // bytes ahead of the block being read: keeps memory busy while rows compute
+constexpr int64_t VECTORS = 2;               // 16-column vectors per block
+constexpr int64_t COLS = 16 * VECTORS;       // output columns per block
+constexpr int64_t TILE_ROWS = 12;            // rows whose sums stay in registers: TILE_ROWS x VECTORS <= 24
+constexpr int64_t PREFETCH = 4096;           // bytes ahead of the block being read: keeps memory busy while rows compute
 
 torch::Tensor pack_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "pack_weight: a 2-D float32 weight");
@@ -23,19 +31,19 @@ torch::Tensor pack_weight(torch::Tensor weight) {
 }
 
 template <int R>
-static inline void block_rows(const float* x, const float* block, const float* bias, float* y, int64_t K, int64_t N,
-                              int64_t n0, int64_t cols) {
-  v16 acc[R][4];
+static void block_rows(const float* x, const float* block, const float* bias, float* y, int64_t K, int64_t N,
+                       int64_t n0, int64_t cols) {
+  v16 acc[R][VECTORS];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = (v16){};
+    for (int j = 0; j < VECTORS; ++j) acc[r][j] = (v16){};
   const char* ahead = reinterpret_cast<const char*>(block) + PREFETCH;
   for (int64_t k = 0; k < K; ++k) {
     const v16* w = reinterpret_cast<const v16*>(block + k * COLS);  // torch allocations are 64-byte aligned
     const char* fetch = ahead + k * COLS * sizeof(float);
-    for (int line = 0; line < 4; ++line) __builtin_prefetch(fetch + 64 * line, 0, 3);
+    for (int line = 0; line < VECTORS; ++line) __builtin_prefetch(fetch + 64 * line, 0, 3);
     for (int r = 0; r < R; ++r) {
       const float s = x[r * K + k];
-      for (int j = 0; j < 4; ++j) acc[r][j] += s * w[j];
+      for (int j = 0; j < VECTORS; ++j) acc[r][j] += s * w[j];
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -44,6 +52,15 @@ static inline void block_rows(const float* x, const float* block, const float* b
     for (int64_t c = 0; c < cols; ++c) out[c] = bias ? sums[c] + bias[n0 + c] : sums[c];
   }
 }
+
+using BlockRows = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+
+template <int... Rs>
+constexpr std::array<BlockRows, sizeof...(Rs)> by_rows(std::integer_sequence<int, Rs...>) {
+  return {block_rows<Rs + 1>...};
+}
+
+static const auto BLOCK_ROWS = by_rows(std::make_integer_sequence<int, TILE_ROWS>{});  // [R - 1]: R rows
 
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && packed.scalar_type() == torch::kFloat32, "linear_rows: float32");
@@ -59,17 +76,10 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t nb = first; nb < last; ++nb) {
-      const float* block = wp + nb * K * COLS;
       const int64_t n0 = nb * COLS, cols = std::min(COLS, N - n0);
-      for (int64_t r = 0; r < m; r += 4) {
-        const float* xr = xp + r * K;
-        float* yr = yp + r * N;
-        switch (std::min<int64_t>(4, m - r)) {
-          case 4: block_rows<4>(xr, block, bp, yr, K, N, n0, cols); break;
-          case 3: block_rows<3>(xr, block, bp, yr, K, N, n0, cols); break;
-          case 2: block_rows<2>(xr, block, bp, yr, K, N, n0, cols); break;
-          default: block_rows<1>(xr, block, bp, yr, K, N, n0, cols); break;
-        }
+      for (int64_t r = 0; r < m; r += TILE_ROWS) {
+        const int64_t tile = std::min(TILE_ROWS, m - r);
+        BLOCK_ROWS[tile - 1](xp + r * K, wp + nb * K * COLS, bp, yp + r * N, K, N, n0, cols);
       }
     }
   });
@@ -79,6 +89,6 @@ torch::Tensor linear_rows(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_weight", &pack_weight, "a [N, K] weight as blocks of 64 output columns, [blocks, K, 64]");
+  m.def("pack_weight", &pack_weight, "a [N, K] weight as blocks of 32 output columns, [blocks, K, 32]");
   m.def("linear_rows", &linear_rows, "x [..., K] times the packed weight: [..., N]");
 }
