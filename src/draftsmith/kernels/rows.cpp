@@ -5,7 +5,8 @@
 // run in the shadow of that stream; each further group of up to 12 rows re-reads the block while it is in L2. With
 // blocks of 64 columns only 4-6 rows fitted the registers, and every further group's FMAs came after the stream
 // instead of beside it: whole SmolLM2-135M forwards over 8 / 12 / 16 tokens cost 1.13 / 1.23 / 1.16x what these
-// cost (docs/measurements-log.md).
+// cost (docs/measurements-log.md). Built for AVX2 (16 registers of 8 floats) a tile holds 3 rows x 4 vectors: the
+// 64-byte vectors of before, emulated there, spilled, and one row took 1.6x and 16 rows 12x as long.
 //
 // Every output is one FMA chain over k in order, whatever the row count and thread split, so a row's result does not
 // depend on how many rows share the call: a verify forward computes each position exactly as a one-token decode does.
@@ -16,10 +17,16 @@
 #include <array>
 #include <utility>
 
-typedef float v16 __attribute__((vector_size(64)));
-constexpr int64_t VECTORS = 2;               // 16-column vectors per block
-constexpr int64_t COLS = 16 * VECTORS;       // output columns per block
-constexpr int64_t TILE_ROWS = 12;            // rows whose sums stay in registers: TILE_ROWS x VECTORS <= 24
+#ifdef __AVX512F__
+constexpr int64_t LANES = 16;                // floats per vector register
+constexpr int64_t TILE_ROWS = 12;            // rows whose sums stay in registers: 12 x 2 of AVX-512's 32
+#else
+constexpr int64_t LANES = 8;                 // AVX2: 16 registers of 8 floats
+constexpr int64_t TILE_ROWS = 3;             // 3 x 4 sums + 4 weight vectors
+#endif
+typedef float vec __attribute__((vector_size(LANES * 4)));
+constexpr int64_t COLS = 32;                 // output columns per block
+constexpr int64_t VECTORS = COLS / LANES;    // vectors per block row
 constexpr int64_t PREFETCH = 4096;           // bytes ahead of the block being read: keeps memory busy while rows compute
 
 torch::Tensor pack_weight(torch::Tensor weight) {
@@ -33,14 +40,14 @@ torch::Tensor pack_weight(torch::Tensor weight) {
 template <int R>
 static void block_rows(const float* x, const float* block, const float* bias, float* y, int64_t K, int64_t N,
                        int64_t n0, int64_t cols) {
-  v16 acc[R][VECTORS];
+  vec acc[R][VECTORS];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < VECTORS; ++j) acc[r][j] = (v16){};
+    for (int j = 0; j < VECTORS; ++j) acc[r][j] = (vec){};
   const char* ahead = reinterpret_cast<const char*>(block) + PREFETCH;
   for (int64_t k = 0; k < K; ++k) {
-    const v16* w = reinterpret_cast<const v16*>(block + k * COLS);  // torch allocations are 64-byte aligned
+    const vec* w = reinterpret_cast<const vec*>(block + k * COLS);  // torch allocations are 64-byte aligned
     const char* fetch = ahead + k * COLS * sizeof(float);
-    for (int line = 0; line < VECTORS; ++line) __builtin_prefetch(fetch + 64 * line, 0, 3);
+    for (int line = 0; line < COLS * 4 / 64; ++line) __builtin_prefetch(fetch + 64 * line, 0, 3);
     for (int r = 0; r < R; ++r) {
       const float s = x[r * K + k];
       for (int j = 0; j < VECTORS; ++j) acc[r][j] += s * w[j];
