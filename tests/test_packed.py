@@ -79,7 +79,7 @@ def test_the_row_kernel_computes_a_row_alike_whatever_rows_share_the_call():
     x = torch.randn(30, 75)
     with torch.inference_mode():
         alone = torch.cat([native_kernel("rows").linear_rows(row[None], weight, 131, layer.bias) for row in x])
-        for rows in (3, 7, 11, 30):
+        for rows in (3, 7, 11, 13, 30):
             together = native_kernel("rows").linear_rows(x[:rows], weight, 131, layer.bias)
             assert torch.equal(together, alone[:rows])
         torch.testing.assert_close(together, layer(x), rtol=1e-5, atol=1e-5)
