@@ -25,7 +25,8 @@ vocabulary; `max_steps` = the steps that fit the budget (and `epochs` enough to 
   multiple of 64, at least the longest sample) instead of 8192: speculators packs a step's sequences into one row
   padded to `total_seq_len` and, without FlexAttention, attends densely over the whole row (KV grows to
   `ttt_steps` x the row), so its cost per token grows with the row: at 8192 one step took 140 s on this machine
-  (toy store, 2 threads) against 2.5 s at 1024. The same tokens per step also makes the batches alike.
+  (toy store, 2 threads) against 2.5 s at 1024. The same tokens per step also makes the batches alike. With
+  draftsmith's 4 sequences of the profiles' ~250-token chats that is 1,024, speculators' fastest setting found here.
 `--spec-set key=value` overrides any of its fields (e.g. `total_seq_len=8192`, `hidden_states_dtype=float32`).
 
 Patched here at run time (site-packages is untouched), all because there is no accelerator:
@@ -54,9 +55,9 @@ residual stream entering decoder layer i (transformers' `hidden_states[i]`), whi
 (`--target`, default: the target the store records).
 
 **draftsmith's side** runs `draftsmith.stages.train` with `TrainConfig`: `ttt_steps` = `--chain`, the settings of
-the cpu profiles (batch 8 in forwards of 4, bf16 autocast as speculators', lr 1e-3, max_length 512, speculators'
-norm switches on, the TTT forward compiled where it can be), warm-up 5 % of the calibrated steps, four
-validations, and `max_minutes` = the budget: its trainer re-plans its length from the time its steps take (up to
+cpu-demo, whose budget is minutes too (batch 4 in one forward, bf16 autocast as speculators', lr 1e-3, max_length
+512, speculators' norm switches on, the TTT forward compiled where it can be), warm-up 5 % of the calibrated steps,
+four validations, and `max_minutes` = the budget: its trainer re-plans its length from the time its steps take (up to
 twice the calibrated steps); `--ds-set key=value` overrides any of them.
 
 **Same wall-clock time**: each trainer first runs a short calibration (a few steps in a scratch directory, not
@@ -415,7 +416,7 @@ def worker_draftsmith(job: dict) -> dict:
     }
 
 
-DS_BASE = dict(batch_size=8, micro_batch_size=4, bf16=True, lr=1.0e-3, max_length=512, norm_before_fc=True,
+DS_BASE = dict(batch_size=4, micro_batch_size=4, bf16=True, lr=1.0e-3, max_length=512, norm_before_fc=True,
                norm_before_residual=True, norm_output=True, compile="auto")  # fmt: skip
 
 
