@@ -391,7 +391,7 @@ def worker_draftsmith(job: dict) -> dict:
     steps = int(job["max_steps"])
     budget = job.get("budget_s")
     settings = dict(
-        DS_BASE,
+        draftsmith_base(),
         ttt_steps=job["chain"],
         # a timed run uses draftsmith's own time budget: it re-plans its length from the measured step time, so
         # a calibration that over- or underestimates the step neither leaves time unused nor overruns
@@ -416,8 +416,15 @@ def worker_draftsmith(job: dict) -> dict:
     }
 
 
-DS_BASE = dict(batch_size=4, micro_batch_size=4, bf16=True, lr=1.0e-3, max_length=512, norm_before_fc=True,
-               norm_before_residual=True, norm_output=True, compile="auto")  # fmt: skip
+def draftsmith_base() -> dict:
+    """cpu-demo's batch, learning rate and length (its budget is minutes too, as this benchmark's), read from the
+    pipeline so the two cannot drift apart, with bf16 autocast and speculators' three norm switches on."""
+    from draftsmith.pipeline import load_pipeline
+
+    demo = load_pipeline("eagle3", "cpu-demo").train
+    return dict(batch_size=demo.batch_size, micro_batch_size=demo.micro_batch_size, lr=demo.lr,
+                max_length=demo.max_length, bf16=True, norm_before_fc=True, norm_before_residual=True,
+                norm_output=True, compile="auto")  # fmt: skip
 
 
 def run_worker(kind: str, job: dict, log: Path) -> dict:
@@ -574,8 +581,9 @@ def main() -> int:
     spec_overrides = parse_sets(args.spec_set)
     ds_overrides = parse_sets(args.ds_set)
     if "total_seq_len" not in spec_overrides:  # the same tokens per optimiser step as draftsmith's batch (docstring)
-        batch = int(ds_overrides.get("batch_size", DS_BASE["batch_size"]))
-        max_length = int(ds_overrides.get("max_length", DS_BASE["max_length"]))
+        base = draftsmith_base()
+        batch = int(ds_overrides.get("batch_size", base["batch_size"]))
+        max_length = int(ds_overrides.get("max_length", base["max_length"]))
         lengths = [min(n, max_length) for n in store.lengths()]
         per_step = batch * sum(lengths) / len(lengths)
         spec_overrides["total_seq_len"] = max(max(lengths), 64 * math.ceil(per_step / 64))
