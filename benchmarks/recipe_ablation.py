@@ -46,6 +46,7 @@ VARIANTS = (
     "ttt-3:ttt_steps=3",
     "feature-noise:feature_noise=0.05",
     "weight-decay:weight_decay=0.01",
+    "mlp-4x:intermediate_size=6144",  # SmolLM2's MLP is 1,536 wide
 )
 
 

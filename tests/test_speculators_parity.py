@@ -286,8 +286,8 @@ def test_old_config_without_switches_reads_as_the_original_layer(tmp_path, verif
 
 
 def test_train_any_variant_then_draft_losslessly(tmp_path, verifier):
-    """`draftsmith train` with speculators' default switches (and a window shorter than the samples) writes a
-    checkpoint with them, which drafts with the target's own greedy output."""
+    """`draftsmith train` with speculators' default switches (a window shorter than the samples, a wider MLP) writes
+    a checkpoint with them, which exports to speculators' layout and drafts with the target's own greedy output."""
     from draftsmith.store import extract
     from draftsmith.vocab import vocab_from_store
     from tests.formats_helpers import greedy_samples
@@ -301,13 +301,16 @@ def test_train_any_variant_then_draft_losslessly(tmp_path, verifier):
         ["train", str(store), "--vocab", str(tmp_path / "vocab"), "--target", str(root / "model"),
          "--out", str(tmp_path / "run"), "--max-steps", "4", "--batch-size", "2", "--ttt-steps", "2",
          "--warmup-steps", "1", "--norm-before-fc", "--norm-before-residual", "--norm-output",
-         "--sliding-window", "8"],
+         "--sliding-window", "8", "--intermediate-size", "200"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     drafter = load_drafter(tmp_path / "run", target)
     assert drafter.model.config.variant() == {
         "norm_before_fc": True, "norm_before_residual": True, "norm_output": True, "sliding_window": 8
     }  # fmt: skip
+    assert drafter.model.config.intermediate_size == 200 != target.config.intermediate_size
+    out = export(tmp_path / "run", tmp_path / "spec", "speculators", verifier=str(root / "model"))
+    assert load_drafter(out, target).model.config == drafter.model.config  # the width survives the export
     assert isinstance(drafter, Eagle3Drafter)
     prompt = [0, 11, 12, 13]
     assert SpeculativeDecoder(target, drafter, 3).generate(prompt, 30).tokens == reference(target, prompt, 30)

@@ -189,6 +189,7 @@ def train(
         len(draft_vocab.d2t),
         dataset.layer_ids,
         fingerprint=fingerprint,
+        intermediate_size=cfg.intermediate_size,
         **{k: getattr(cfg, k) for k in VARIANTS},  # the layer variant the train settings ask for
     )
     norm = getattr(target.model.base_model, "norm", None)  # the final norm, for `init: logit_lens`

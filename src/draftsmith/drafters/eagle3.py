@@ -124,10 +124,11 @@ class Eagle3Config(BaseModel):
         draft_vocab_size: int,
         aux_layer_ids: tuple[int, ...],
         fingerprint: str | None = None,
+        intermediate_size: int | None = None,
         **variant: Any,
     ) -> Eagle3Config:
-        """Shape the drafter's layer like one of the target's; `fingerprint` skips re-hashing a known target;
-        `variant` sets the layer variant switches (`VARIANTS`)."""
+        """Shape the drafter's layer like one of the target's (`intermediate_size` widens or narrows its MLP);
+        `fingerprint` skips re-hashing a known target; `variant` sets the layer variant switches (`VARIANTS`)."""
         if len(aux_layer_ids) != 3 or not all(0 <= i < target.num_layers for i in aux_layer_ids):
             raise ConfigError(
                 f"EAGLE-3 needs 3 aux layer ids in [0, {target.num_layers}), got {tuple(aux_layer_ids)}",
@@ -146,8 +147,9 @@ class Eagle3Config(BaseModel):
                 "norm_before_fc and fc_norm exclude each other (one norm over the 3 layers, or one per layer)",
                 hint="turn one of them off",
             )
+        shape = layer_shape(target, "EAGLE-3") | ({"intermediate_size": intermediate_size} if intermediate_size else {})
         return cls(
-            **layer_shape(target, "EAGLE-3"),
+            **shape,
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=tuple(aux_layer_ids),
             target=target.name,

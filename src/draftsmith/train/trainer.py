@@ -87,6 +87,7 @@ class TrainConfig(StageConfig):
     norm_output: bool = False
     qk_norm: bool = False
     sliding_window: int | None = Field(default=None, ge=1)
+    intermediate_size: int | None = Field(default=None, ge=1)  # the drafter's MLP width; None: the target's
     init: Literal["random", "logit_lens"] = "random"  # logit_lens: start as lm_head(norm(deepest aux state))
     optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon on the hidden matrices, AdamW on the rest
     freeze_lm_head: bool = True  # keep the target's head rows (as speculators does): fewer weights to overfit
