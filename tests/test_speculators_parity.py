@@ -289,6 +289,7 @@ def test_train_any_variant_then_draft_losslessly(tmp_path, verifier):
     """`draftsmith train` with speculators' default switches (a window shorter than the samples, a wider MLP) writes
     a checkpoint with them, which exports to speculators' layout and drafts with the target's own greedy output."""
     from draftsmith.store import extract
+    from draftsmith.train.trainer import TrainConfig
     from draftsmith.vocab import vocab_from_store
     from tests.formats_helpers import greedy_samples
 
@@ -311,6 +312,8 @@ def test_train_any_variant_then_draft_losslessly(tmp_path, verifier):
     assert drafter.model.config.intermediate_size == 200 != target.config.intermediate_size
     out = export(tmp_path / "run", tmp_path / "spec", "speculators", verifier=str(root / "model"))
     assert load_drafter(out, target).model.config == drafter.model.config  # the width survives the export
+    with pytest.raises(ValueError, match="intermediate_size sets the EAGLE-3 drafter's MLP width"):
+        TrainConfig(algo="dflash", intermediate_size=200)  # refused when the profile loads, not ignored
     assert isinstance(drafter, Eagle3Drafter)
     prompt = [0, 11, 12, 13]
     assert SpeculativeDecoder(target, drafter, 3).generate(prompt, 30).tokens == reference(target, prompt, 30)

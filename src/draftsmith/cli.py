@@ -253,7 +253,7 @@ def train(
     norm_output: Annotated[bool, typer.Option(help="layer variant: carry the normed output hidden")] = False,
     qk_norm: Annotated[bool, typer.Option(help="layer variant: Qwen3's per-head q/k RMSNorm")] = False,
     sliding_window: Annotated[int | None, typer.Option(help="layer variant: attend to the last W positions")] = None,
-    intermediate_size: Annotated[int | None, typer.Option(help="the drafter's MLP width (default: the target's)")] = None,
+    intermediate_size: Annotated[int | None, typer.Option(help="the MLP width (default: the target's)")] = None,
     weight_decay: float = 0.0,
     freeze_lm_head: Annotated[bool, typer.Option(help="keep the target's head rows frozen (speculators)")] = True,
     all_positions: Annotated[bool, typer.Option(help="train on prompt tokens too (target's distribution)")] = False,

@@ -113,6 +113,12 @@ class TrainConfig(StageConfig):
         return self
 
     @model_validator(mode="after")
+    def _intermediate_size_is_for_eagle3(self) -> TrainConfig:
+        if self.intermediate_size is not None and self.algo == "dflash":
+            raise ValueError("intermediate_size sets the EAGLE-3 drafter's MLP width; DFlash takes the target's")
+        return self
+
+    @model_validator(mode="after")
     def _compile_is_for_eagle3(self) -> TrainConfig:
         if self.compile is True and (self.algo == "dflash" or self.fsdp):
             raise ValueError("compile applies to EAGLE-3's TTT forward without fsdp; use compile: auto or false")
