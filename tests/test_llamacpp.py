@@ -64,7 +64,9 @@ def test_a_build_with_other_cmake_flags_is_not_taken_as_built(tmp_path):
         lc.require()
 
 
-def logit_lens_drafter(target: Target, directory: Path, must_have: list[int] = ()) -> Path:
+def logit_lens_drafter(
+    target: Target, directory: Path, must_have: list[int] = (), intermediate_size: int | None = None
+) -> Path:
     """An untrained EAGLE-3 drafter that starts as the target's logit lens on its deepest aux layer, i.e. it drafts
     the token the target just produced again; its draft vocabulary holds `must_have` and the lowest other ids."""
     ids = sorted(set(must_have))[:DRAFT_VOCAB]
@@ -72,7 +74,9 @@ def logit_lens_drafter(target: Target, directory: Path, must_have: list[int] = (
     d2t = torch.tensor(ids) - torch.arange(DRAFT_VOCAB)  # target id = draft id + d2t[draft id]
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
     t2d[ids] = True
-    config = Eagle3Config.from_target(target, DRAFT_VOCAB, LAYERS, fingerprint="test")
+    config = Eagle3Config.from_target(
+        target, DRAFT_VOCAB, LAYERS, fingerprint="test", intermediate_size=intermediate_size
+    )
     torch.manual_seed(0)
     model = Eagle3Model.from_weights(
         config,
@@ -88,9 +92,9 @@ def logit_lens_drafter(target: Target, directory: Path, must_have: list[int] = (
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """A 4-layer random Llama with SmolLM2's tokenizer (llama.cpp's converter needs a real BPE tokenizer), saved as an
-    HF directory, and a logit-lens drafter for it. Its layers barely change the residual and its head is its
-    embeddings, so its greedy text repeats tokens in runs, which the drafter (drafting a repeat) gets accepted; the
-    tokens of those runs are in its draft vocabulary, with a non-trivial d2t."""
+    HF directory, and a logit-lens drafter for it (with an MLP of its own width). Its layers barely change the
+    residual and its head is its embeddings, so its greedy text repeats tokens in runs, which the drafter (drafting a
+    repeat) gets accepted; the tokens of those runs are in its draft vocabulary, with a non-trivial d2t."""
     root = tmp_path_factory.mktemp("llamacpp")
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir("smollm2-135m"))
@@ -111,7 +115,8 @@ def tiny(tmp_path_factory):
     for ids in prompts(target):
         out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
         seen += out[0].tolist()
-    return target, model_dir, logit_lens_drafter(target, root / "drafter", seen)
+    # an MLP narrower than the target's (96 against 128): llama.cpp must take the drafter's own width
+    return target, model_dir, logit_lens_drafter(target, root / "drafter", seen, intermediate_size=96)
 
 
 NEW_TOKENS = 24
