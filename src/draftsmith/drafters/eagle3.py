@@ -147,7 +147,9 @@ class Eagle3Config(BaseModel):
                 "norm_before_fc and fc_norm exclude each other (one norm over the 3 layers, or one per layer)",
                 hint="turn one of them off",
             )
-        shape = layer_shape(target, "EAGLE-3") | ({"intermediate_size": intermediate_size} if intermediate_size else {})
+        shape = layer_shape(target, "EAGLE-3")
+        if intermediate_size is not None:
+            shape["intermediate_size"] = intermediate_size
         return cls(
             **shape,
             draft_vocab_size=draft_vocab_size,
