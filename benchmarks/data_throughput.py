@@ -55,15 +55,17 @@ PROMPT_FILES = ("mt_bench_questions.jsonl", "gsm8k_test.jsonl")  # first turns o
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    cpu_batch = load_pipeline("eagle3", "cpu-full").data.batch_size
+    profile = load_pipeline("eagle3", "cpu-full").data
+    cpu_batch = profile.batch_size
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m", help="built-in name, HF directory or hub id")
     parser.add_argument("--batch-size", type=int, default=cpu_batch, help="regeneration batch (cpu profiles' data)")
     parser.add_argument("--prompts", type=int, default=2 * cpu_batch, help="number of prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="per answer, as in the cpu profiles")
+    parser.add_argument("--max-new-tokens", type=int, default=profile.max_new_tokens, help="per answer (cpu-full's)")
     parser.add_argument("--prefill-tokens", type=int, default=16384, help="tokens per prefill batch, padding included")
     parser.add_argument("--extract-max-length", type=int, default=512, help="as in the cpu profiles")
-    parser.add_argument("--chat-length", type=int, default=512, help="tokens per self-chat, as in the cpu profiles")
+    parser.add_argument("--chat-length", type=int, default=profile.self_chat_length, help="per self-chat (cpu-full's)")
+    parser.add_argument("--loop-ngram", type=int, default=profile.self_chat_loop_ngram, help="self-chat (cpu-full's)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each measurement")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of: {', '.join(ARMS)}")
@@ -116,7 +118,7 @@ def run_self_chat(target: Target, n: int, args, work: Path, record: Recording | 
     out = Path(tempfile.mkdtemp(dir=work)) / "chat.jsonl"
     start = time.perf_counter()
     self_chat(target, n, out, seed=0, length=args.chat_length, batch_size=args.batch_size, record=record,
-              progress=False)  # fmt: skip
+              max_turn_tokens=args.max_new_tokens, loop_ngram=args.loop_ngram, progress=False)  # as the stage calls it
     return n * args.chat_length, time.perf_counter() - start, out.read_text()
 
 
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, value in median.items():
         print(f"{name:<26} {value:8.1f} tokens/s  (median of {len(rates[name])} runs)")
-    for name in ("regeneration", "regeneration recorded", "self-chat", "extraction"):
+    for name in ("regeneration", "regeneration recorded", "self-chat", "self-chat recorded", "extraction"):
         if name in median and "prefill" in median:
             print(f"{name + ' / prefill':<40} = {median[name] / median['prefill']:.2f}")
     if {"regeneration", "extraction", "regeneration recorded"} <= set(median):

@@ -14,7 +14,9 @@ from draftsmith.backends.batch import (
     PreallocatedLayer,
     batch_cache,
     batched_attention,
+    choose,
     generate_batch,
+    sample,
 )
 from draftsmith.native import native_kernel
 from draftsmith.target import Target
@@ -36,10 +38,7 @@ def reference(target, prompts, *, temperature, max_new_tokens, stop_ids):
             logits = model(
                 input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=1
             ).logits[:, -1]
-            if temperature > 0:
-                chosen = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1)[:, 0]
-            else:
-                chosen = logits.argmax(-1)
+            chosen = choose(logits, temperature) if temperature > 0 else logits.argmax(-1)  # the sampler: see below
             keep = [i for i, t in enumerate(chosen.tolist()) if t not in stop_ids]
             for i, t in enumerate(chosen.tolist()):
                 ended[rows[i]] |= t in stop_ids
@@ -93,6 +92,32 @@ def test_same_tokens_as_the_dynamic_cache_loop_greedy_and_sampled():
     assert generate_batch(target, same_length, temperature=0.0, max_new_tokens=6, stop_ids={1}) == reference(
         target, same_length, temperature=0.0, max_new_tokens=6, stop_ids={1}
     )
+
+
+@pytest.mark.parametrize("vocab", [1024, 1070], ids=["whole-blocks", "padded"])
+def test_sample_draws_from_the_softmax(vocab):
+    """Chi-square over 200,000 draws against softmax(logits), tokens grouped so each group expects >= 50 draws (the
+    statistic's approximation holds), at a level of 1e-4; tokens of probability 0 are never drawn."""
+    torch.manual_seed(11)
+    logits = torch.randn(vocab) * 3
+    logits[::7] = float("-inf")
+    probs = torch.softmax(logits, -1).double()
+    draws = torch.cat([sample(logits.expand(10_000, vocab)) for _ in range(20)])
+    counts = torch.bincount(draws, minlength=vocab).double()
+    assert draws.max() < vocab and counts[::7].sum() == 0
+    order = probs.argsort(descending=True)
+    groups, expected, observed, e, o = 0, [], [], 0.0, 0.0
+    for i in order.tolist():  # the likeliest tokens alone, the tail pooled into groups of >= 50 expected draws
+        e, o = e + len(draws) * probs[i].item(), o + counts[i].item()
+        if e >= 50:
+            expected.append(e), observed.append(o)
+            e, o = 0.0, 0.0
+    expected[-1], observed[-1] = expected[-1] + e, observed[-1] + o
+    expected, observed = torch.tensor(expected), torch.tensor(observed)
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(expected) - 1
+    assert dof > 100
+    assert chi2 < dof + 3.72 * (2 * dof) ** 0.5  # the normal approximation of chi2(dof) at p = 1e-4
 
 
 def test_preallocated_layer_matches_dynamic_layer_and_grows_past_its_capacity():

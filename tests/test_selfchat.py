@@ -160,7 +160,7 @@ def test_a_looping_reply_ends_before_it_repeats_an_ngram(tmp_path):
     """With loop_ngram 3 every reply is the target's greedy reply cut just before its first repeated trigram."""
     target = chat_target(seed=3)
     template = Template(target)
-    out = self_chat(target, 6, tmp_path / "chat.jsonl", seed=1, length=80, batch_size=3, max_turn_tokens=12,
+    out = self_chat(target, 6, tmp_path / "chat.jsonl", seed=1, length=120, batch_size=3, max_turn_tokens=24,
                     loop_ngram=3, kinds=(), progress=False)  # fmt: skip
     cut = 0
     for record in chats(out):
@@ -172,12 +172,12 @@ def test_a_looping_reply_ends_before_it_repeats_an_ngram(tmp_path):
             grams = [tuple(tokens[i : i + 3]) for i in range(len(tokens) - 2)]
             assert len(set(grams)) == len(grams)  # no trigram twice inside a reply
             [(greedy, _)] = generate_batch(
-                target, [prompt], temperature=0.0, max_new_tokens=12, stop_ids=template.ends_assistant
+                target, [prompt], temperature=0.0, max_new_tokens=24, stop_ids=template.ends_assistant
             )
-            if len(prompt) + len(greedy) + 1 >= 80:  # the chat's length cut this reply short
+            if len(prompt) + len(greedy) + 1 >= 120:  # the chat's length cut this reply short
                 break
             assert greedy[: len(tokens)] == tokens
-            if len(tokens) < min(len(greedy), 12):  # cut by the loop rule: the next token repeats a trigram
+            if len(tokens) < min(len(greedy), 24):  # cut by the loop rule: the next token repeats a trigram
                 assert tuple(greedy[len(tokens) - 2 : len(tokens) + 1]) in grams and reply["truncated"]
                 cut += 1
             prompt += tokens + template.to_user

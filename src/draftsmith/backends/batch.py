@@ -187,8 +187,32 @@ class BatchDecoder:
 def choose(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """The next token of each row: argmax at T=0, else a sample at `temperature` (global torch RNG)."""
     if temperature > 0:
-        return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1)[:, 0]
+        return sample(logits if temperature == 1 else logits / temperature)
     return logits.max(-1).indices  # argmax's first maximum too: 2.0 against 7.7 ms at 128 x 49,152 on CPU
+
+
+SAMPLE_BLOCK = 256
+
+
+def sample(logits: torch.Tensor) -> torch.Tensor:
+    """One token per row drawn from softmax(`logits`), by inverting the CDF with two uniforms: a block of
+    `SAMPLE_BLOCK` tokens by the blocks' masses, then a token inside it by its share of the block's.
+
+    Why: `torch.multinomial` on a CPU draws per vocabulary entry, ~117 ms for 100 rows x 49,152 on 2 cores, and
+    sampling the user turns took 18 % of a recorded self-chat batch (measurements log); this is ~20 ms. Why blocks:
+    a float32 running sum over the whole vocabulary resolves probabilities only to ~6e-8 of the total, so tokens
+    below that would be merged with their neighbours; inside a block the resolution is relative to the block's
+    mass, and the blocks' sums run in float64. Zero-probability tokens are never drawn (`right=True`)."""
+    probs = torch.softmax(logits, dim=-1)
+    rows, vocab = probs.shape
+    padded = probs if vocab % SAMPLE_BLOCK == 0 else F.pad(probs, (0, -vocab % SAMPLE_BLOCK))
+    within = padded.view(rows, -1, SAMPLE_BLOCK).cumsum(-1)  # running sums inside each block
+    ends = within[:, :, -1].double().cumsum(-1)
+    u = torch.rand(rows, 2, dtype=torch.float64, device=probs.device)
+    block = torch.searchsorted(ends, u[:, :1] * ends[:, -1:], right=True).clamp_max(ends.shape[1] - 1)
+    inside = within[torch.arange(rows, device=probs.device), block[:, 0]].double()
+    token = torch.searchsorted(inside, u[:, 1:] * inside[:, -1:], right=True).clamp_max(SAMPLE_BLOCK - 1)
+    return (block * SAMPLE_BLOCK + token)[:, 0].clamp_max(vocab - 1)
 
 
 def generate_batch(
@@ -206,7 +230,7 @@ def generate_batch(
     Around it, transformers' `DynamicCache` re-copied the whole KV cache with 60 `torch.cat`s per step (now a cache
     written in place: `PreallocatedLayer`), and the 2-D padding mask was grown by a `cat` and rebuilt into a 4-D mask
     every step (now one boolean buffer, viewed, and no mask at all when no row is padded). The rest per step is one
-    argmax (or softmax + multinomial when sampling) over (rows, vocab) and one `tolist()` to decide which rows stop.
+    argmax (or `sample` when sampling) over (rows, vocab) and one `tolist()` to decide which rows stop.
     """
     new: list[list[int]] = [[] for _ in prompts]
     ended = [False] * len(prompts)

@@ -243,8 +243,8 @@ def _write_batch(
         decoder = BatchDecoder(target, prompts, steps)
         for step in range(steps):
             greedy = choose(decoder.logits, temperature).tolist()
-            # Only the rows writing a user message sample: sampling the whole batch (multinomial's exponentials over
-            # 128 x 49k logits) was 40 % of a bf16 step, and a user turn is a fraction of every chat.
+            # Only the rows writing a user message sample: sampling the whole batch (then with multinomial, over 128 x
+            # 49k logits) was 40 % of a bf16 step, and a user turn is a fraction of every chat.
             writers = [i for i, row in enumerate(rows) if row.role == "user" and not row.forced]
             sampled = choose(decoder.logits[writers], user_temperature).tolist() if writers else []
             chosen = dict(enumerate(greedy)) | dict(zip(writers, sampled, strict=True))
