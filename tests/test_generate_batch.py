@@ -106,7 +106,7 @@ def test_sample_draws_from_the_softmax(vocab):
     counts = torch.bincount(draws, minlength=vocab).double()
     assert draws.max() < vocab and counts[::7].sum() == 0
     order = probs.argsort(descending=True)
-    groups, expected, observed, e, o = 0, [], [], 0.0, 0.0
+    expected, observed, e, o = [], [], 0.0, 0.0
     for i in order.tolist():  # the likeliest tokens alone, the tail pooled into groups of >= 50 expected draws
         e, o = e + len(draws) * probs[i].item(), o + counts[i].item()
         if e >= 50:
