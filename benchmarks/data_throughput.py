@@ -117,8 +117,9 @@ def run_self_chat(target: Target, n: int, args, work: Path, record: Recording | 
     """(tokens, seconds, the chats) of `n` self-chats into a fresh file; `record`: keeping their hidden states."""
     out = Path(tempfile.mkdtemp(dir=work)) / "chat.jsonl"
     start = time.perf_counter()
+    # as the data stage calls it: replies capped at max_new_tokens, the profile's loop rule
     self_chat(target, n, out, seed=0, length=args.chat_length, batch_size=args.batch_size, record=record,
-              max_turn_tokens=args.max_new_tokens, loop_ngram=args.loop_ngram, progress=False)  # as the stage calls it
+              max_turn_tokens=args.max_new_tokens, loop_ngram=args.loop_ngram, progress=False)  # fmt: skip
     return n * args.chat_length, time.perf_counter() - start, out.read_text()
 
 
