@@ -314,6 +314,8 @@ def test_train_any_variant_then_draft_losslessly(tmp_path, verifier):
     assert load_drafter(out, target).model.config == drafter.model.config  # the width survives the export
     with pytest.raises(ValueError, match="intermediate_size sets the EAGLE-3 drafter's MLP width"):
         TrainConfig(algo="dflash", intermediate_size=200)  # refused when the profile loads, not ignored
+    with pytest.raises(ValueError, match="label_temperature applies to EAGLE-3's TTT loss"):
+        TrainConfig(algo="dflash", label_temperature=0.5)
     assert isinstance(drafter, Eagle3Drafter)
     prompt = [0, 11, 12, 13]
     assert SpeculativeDecoder(target, drafter, 3).generate(prompt, 30).tokens == reference(target, prompt, 30)

@@ -53,14 +53,16 @@ def curve(out_dir) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in NONDETERMINISTIC} for r in read_metrics(out_dir)]
 
 
-def test_ttt_loss_matches_a_direct_computation():
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_ttt_loss_matches_a_direct_computation(temperature):
     """Position by position: step k at t is scored against the target's distribution at t+1+k restricted to the
-    draft vocabulary and renormalised, when token t+2+k exists and is in the loss mask (here in a padded batch)."""
+    draft vocabulary and renormalised (at `label_temperature`), when token t+2+k exists and is in the loss mask (here
+    in a padded batch). Top-1 is scored against the target's own argmax whatever the temperature."""
     _, data, (head, embed, d2t, t2d), config = setup(count=2, draft_size=64)
     model = Eagle3Model.from_weights(config, embed, head, d2t, t2d)
     batch = trainer_module.collate(data, 64, torch.device("cpu"))
     steps, weight = 3, 0.8
-    loss, stats = ttt_loss(model, batch, head, steps, weight, torch.ones(steps))
+    loss, stats = ttt_loss(model, batch, head, steps, weight, torch.ones(steps), label_temperature=temperature)
     draft_ids = torch.arange(64) + d2t
     with torch.no_grad():
         logits = [model.draft_logits(h) for h in ttt_forward(model, batch["input_ids"], batch["aux_hidden"], steps)]
@@ -72,7 +74,7 @@ def test_ttt_loss_matches_a_direct_computation():
             for t in range(length - 2 - k):
                 if sample["loss_mask"][t + 2 + k]:
                     full = sample["last_hidden"][t + 1 + k] @ head.T
-                    p = torch.softmax(full[draft_ids], -1)
+                    p = torch.softmax(full[draft_ids] / temperature, -1)
                     q = torch.softmax(logits[k][b, t], -1)
                     kl += float((p * (p.log() - q.log())).sum())
                     correct += int(draft_ids[q.argmax()] == full.argmax())

@@ -85,10 +85,12 @@ def ttt_forward(
 
 
 @torch.no_grad()
-def target_distribution(last_hidden: torch.Tensor, draft_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_distribution(
+    last_hidden: torch.Tensor, draft_head: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """From the target's final hidden states (N, H) and its head rows of the draft vocabulary (Vd, H): p over the
-    draft vocabulary (N, Vd), renormalised, and its sum p log p (N,)."""
-    log_p = torch.log_softmax(last_hidden.float() @ draft_head.float().T, dim=-1)
+    draft vocabulary (N, Vd), renormalised, at `temperature`, and its sum p log p (N,)."""
+    log_p = torch.log_softmax(last_hidden.float() @ draft_head.float().T / temperature, dim=-1)
     p = log_p.exp()
     return p, (p * log_p).sum(-1)
 
@@ -116,9 +118,11 @@ def ttt_loss(
     step_weight: float,
     denominators: torch.Tensor,
     forward: Callable[..., list[torch.Tensor]] = ttt_forward,
+    label_temperature: float = 1.0,
 ) -> tuple[torch.Tensor, StepStats]:
     """sum_k step_weight^k * KL(p || q_k) summed over valid positions / denominators[k], and per-step sums.
-    `forward`: `ttt_forward` or a compiled copy of it (`TTTObjective.compile`).
+    `forward`: `ttt_forward` or a compiled copy of it (`TTTObjective.compile`). `label_temperature` < 1 sharpens p
+    towards the target's argmax, the only token greedy verification accepts.
 
     `denominators` (steps,) are the valid-position counts of the whole global batch (all micro-batches and ranks),
     so summing the micro-batch losses gives the exact token-level mean however the batch is split. KL is the soft
@@ -131,7 +135,7 @@ def ttt_loss(
     row = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
     row[needed] = torch.arange(int(needed.sum()), device=mask.device)
     draft_ids = model.draft_to_target(torch.arange(model.config.draft_vocab_size, device=model.d2t.device))
-    p, neg_entropy = target_distribution(batch["last_hidden"][needed], target_head[draft_ids])
+    p, neg_entropy = target_distribution(batch["last_hidden"][needed], target_head[draft_ids], label_temperature)
     if "target_top" in batch:
         top = batch["target_top"][needed]
     else:
@@ -301,8 +305,8 @@ class DFlashObjective:
 class TTTObjective:
     """EAGLE-3's training-time test behind the trainer's objective interface."""
 
-    def __init__(self, steps: int, step_weight: float) -> None:
-        self.steps, self.step_weight = steps, step_weight
+    def __init__(self, steps: int, step_weight: float, label_temperature: float = 1.0) -> None:
+        self.steps, self.step_weight, self.label_temperature = steps, step_weight, label_temperature
         self.forward: Callable[..., list[torch.Tensor]] = ttt_forward
 
     def compile(self) -> None:
@@ -333,4 +337,6 @@ class TTTObjective:
     def __call__(
         self, model: Eagle3Model, batch: dict[str, torch.Tensor], target_head: torch.Tensor, denominators: torch.Tensor
     ) -> tuple[torch.Tensor, StepStats]:
-        return ttt_loss(model, batch, target_head, self.steps, self.step_weight, denominators, self.forward)
+        return ttt_loss(
+            model, batch, target_head, self.steps, self.step_weight, denominators, self.forward, self.label_temperature
+        )

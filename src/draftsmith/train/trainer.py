@@ -66,6 +66,8 @@ class TrainConfig(StageConfig):
     grad_clip: float = Field(default=0.5, gt=0)
     ttt_steps: int = Field(default=7, ge=1)
     step_weight: float = Field(default=0.8, gt=0)
+    # EAGLE-3: the TTT loss's target distribution at this temperature; < 1 sharpens it towards the target's argmax
+    label_temperature: float = Field(default=1.0, gt=0)
     checkpoint_every: int = Field(default=200, ge=1)
     keep_checkpoints: int = Field(default=2, ge=1)
     eval_every: int = Field(default=100, ge=1)
@@ -113,9 +115,11 @@ class TrainConfig(StageConfig):
         return self
 
     @model_validator(mode="after")
-    def _intermediate_size_is_for_eagle3(self) -> TrainConfig:
+    def _eagle3_settings_are_for_eagle3(self) -> TrainConfig:
         if self.intermediate_size is not None and self.algo == "dflash":
             raise ValueError("intermediate_size sets the EAGLE-3 drafter's MLP width; DFlash takes the target's")
+        if self.label_temperature != 1.0 and self.algo == "dflash":
+            raise ValueError("label_temperature applies to EAGLE-3's TTT loss; DFlash's is set by kl")
         return self
 
     @model_validator(mode="after")
@@ -128,7 +132,7 @@ class TrainConfig(StageConfig):
         """What one step computes: EAGLE-3's training-time test, or DFlash's block loss."""
         if self.algo == "dflash":
             return DFlashObjective(self.block_size, self.gamma, self.anchors, self.kl, self.seed, self.draft_loss)
-        objective = TTTObjective(self.ttt_steps, self.step_weight)
+        objective = TTTObjective(self.ttt_steps, self.step_weight, self.label_temperature)
         if self.compile is True or self.compile == AUTO and not self.fsdp:
             objective.compile()
         return objective
