@@ -55,8 +55,8 @@ residual stream entering decoder layer i (transformers' `hidden_states[i]`), whi
 (`--target`, default: the target the store records).
 
 **draftsmith's side** runs `draftsmith.stages.train` with `TrainConfig`: `ttt_steps` = `--chain`, the settings of
-cpu-demo, whose budget is minutes too (batch 4 in one forward, bf16 autocast as speculators', lr 1e-3, max_length
-512, speculators' norm switches on, the TTT forward compiled where it can be), warm-up 5 % of the calibrated steps,
+cpu-demo, whose budget is minutes too (batch 4 in one forward, bf16 autocast as speculators', Muon + AdamW at lr
+1e-3, max_length 512, speculators' norm switches on, the TTT forward compiled where it can be), warm-up 5 % of the calibrated steps,
 four validations, and `max_minutes` = the budget: its trainer re-plans its length from the time its steps take (up to
 twice the calibrated steps); `--ds-set key=value` overrides any of them.
 
@@ -417,13 +417,13 @@ def worker_draftsmith(job: dict) -> dict:
 
 
 def draftsmith_base() -> dict:
-    """cpu-demo's batch, learning rate and length (its budget is minutes too, as this benchmark's), read from the
-    pipeline so the two cannot drift apart, with bf16 autocast and speculators' three norm switches on."""
+    """cpu-demo's batch, learning rate, optimizer and length (its budget is minutes too, as this benchmark's), read
+    from the pipeline so the two cannot drift apart, with bf16 autocast and speculators' three norm switches on."""
     from draftsmith.pipeline import load_pipeline
 
     demo = load_pipeline("eagle3", "cpu-demo").train
     return dict(batch_size=demo.batch_size, micro_batch_size=demo.micro_batch_size, lr=demo.lr,
-                max_length=demo.max_length, bf16=True, norm_before_fc=True, norm_before_residual=True,
+                optimizer=demo.optimizer, max_length=demo.max_length, bf16=True, norm_before_fc=True, norm_before_residual=True,
                 norm_output=True, compile="auto")  # fmt: skip
 
 
