@@ -56,9 +56,9 @@ residual stream entering decoder layer i (transformers' `hidden_states[i]`), whi
 
 **draftsmith's side** runs `draftsmith.stages.train` with `TrainConfig`: `ttt_steps` = `--chain`, the settings of
 cpu-demo, whose budget is minutes too (batch 4 in one forward, bf16 autocast as speculators', Muon + AdamW at lr
-1e-3, max_length 512, speculators' norm switches on, the TTT forward compiled where it can be), warm-up 5 % of the calibrated steps,
-four validations, and `max_minutes` = the budget: its trainer re-plans its length from the time its steps take (up to
-twice the calibrated steps); `--ds-set key=value` overrides any of them.
+1e-3, max_length 512, speculators' norm switches on, the TTT forward compiled where it can be), warm-up 5 % of the
+calibrated steps, four validations, and `max_minutes` = the budget: its trainer re-plans its length from the time
+its steps take (up to twice the calibrated steps); `--ds-set key=value` overrides any of them.
 
 **Same wall-clock time**: each trainer first runs a short calibration (a few steps in a scratch directory, not
 counted) measuring its time per optimiser step and the cost of its end-of-epoch / validation + checkpoint work;
@@ -423,8 +423,8 @@ def draftsmith_base() -> dict:
 
     demo = load_pipeline("eagle3", "cpu-demo").train
     return dict(batch_size=demo.batch_size, micro_batch_size=demo.micro_batch_size, lr=demo.lr,
-                optimizer=demo.optimizer, max_length=demo.max_length, bf16=True, norm_before_fc=True, norm_before_residual=True,
-                norm_output=True, compile="auto")  # fmt: skip
+                optimizer=demo.optimizer, max_length=demo.max_length, bf16=True, norm_before_fc=True,
+                norm_before_residual=True, norm_output=True, compile="auto")  # fmt: skip
 
 
 def run_worker(kind: str, job: dict, log: Path) -> dict:
