@@ -74,7 +74,7 @@ def test_unknown_kind_is_a_one_line_config_error_listing_the_valid_kinds():
         check_kinds(["code", "code"])
     with pytest.raises(ConfigError, match="invalid synth_kinds=.*unknown prompt kind 'poetry'.*writing, roleplay"):
         DataConfig.checked(synth_kinds=["poetry"])
-    assert DataConfig().synth_kinds == list(SYNTH_KINDS)  # all nine by default
+    assert DataConfig().synth_kinds == list(SYNTH_KINDS)  # all ten by default
 
 
 def test_prompt_kind_reads_ids_and_ignores_others():

@@ -66,6 +66,12 @@ KINDS: dict[str, Kind] = {
         "Solve for x:", "Calculate", "A train travels", "What is the probability that", "Find the derivative of",
         "A shop sells",
     )),
+    # Questions that ask the target what it knows (MT-bench's STEM and humanities): the kind a drafter trained
+    # without it accepted least of on MT-bench (first draft token 0.44 / 0.51 against 0.53-0.65 for the rest).
+    "knowledge": Kind((
+        "Explain how", "What is the difference between", "Why do", "Describe the history of",
+        "What are the main causes of", "Explain the concept of", "What role did", "How does",
+    )),
     "code": Kind((
         "Write a Python function that", "Write a JavaScript function to", "Write a SQL query that",
         "Explain what this Python code does:\n```python\n", "Write a bash script that", "How do I use Python to",
