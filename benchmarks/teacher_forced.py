@@ -8,7 +8,13 @@ the features of a cast copy (`--feature-dtype bfloat16`, how the cpu profiles bu
 store's precision costs. The first step's top-1 is also split by position in the reply (`--buckets`): a small
 target's greedy replies drift into loops that a drafter predicts well, so a reply's opening is where a training
 set of long self-chats and a benchmark of 128-token answers differ most. `--chats RUN/data` scores the first
-replies of the last `--limit` self-chats the same way (the training distribution; mostly training samples). No timing.
+replies of the last `--limit` self-chats the same way (the training distribution; mostly training samples).
+
+Step 1 is also split four ways, to tell a harder text from a drafter that does not carry over: by the prompt's kind;
+by the target's own top-1 probability at the predicted token (a harder text has more tokens the target is unsure
+of); by whether the target's token is in the draft vocabulary (outside it nothing can be accepted); and by whether
+the token pair (previous token, token) occurred earlier in the prompt or reply (a copy, which attention over the
+context can find) or is new. No timing.
 
     .venv/bin/python benchmarks/teacher_forced.py --drafter runs/demo/train/checkpoints/step-000120 \\
         [--dataset mt_bench] [--limit 10] [--max-new-tokens 128] [--steps 4] [--feature-dtype bfloat16] \\
@@ -18,6 +24,7 @@ replies of the last `--limit` self-chats the same way (the training distribution
 import argparse
 import json
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -52,8 +59,8 @@ def main() -> None:
     _, prompts = load_eval_prompts(args.dataset, args.data_dir, args.limit)
     with torch.inference_mode():
         sources = {f"{args.dataset}, first {len(prompts)} prompts, greedy replies of up to {args.max_new_tokens}": [
-            (ids, greedy_reply(target, ids, args.max_new_tokens))
-            for ids in (encode_chat(target.tokenizer, conv.messages) for conv in prompts)
+            (ids, greedy_reply(target, ids, args.max_new_tokens), conv.kind)
+            for conv, ids in ((conv, encode_chat(target.tokenizer, conv.messages)) for conv in prompts)
         ]}  # fmt: skip
         if args.chats:
             sources[f"self-chats of {args.chats}, first replies of the last {args.limit}"] = first_replies(
@@ -62,7 +69,7 @@ def main() -> None:
         for title, pairs in sources.items():
             print(title)
             for name, source in feature_targets.items():
-                by_step, by_bucket = score(model, target, source, pairs, args.steps, edges)
+                by_step, by_bucket, splits = score(model, target, source, pairs, args.steps, edges)
                 steps_line = " / ".join(f"{v:.3f}" for v in by_step)
                 print(f"  features in {name}: teacher-forced top-1 by draft step {steps_line}")
                 spans = zip(edges, edges[1:], strict=False)
@@ -70,6 +77,11 @@ def main() -> None:
                     f"[{lo},{hi if hi < 1 << 30 else 'end'}) {hit / n:.3f} (n={n})"
                     for (lo, hi), (hit, n) in zip(spans, by_bucket, strict=True) if n
                 ))  # fmt: skip
+                total = sum(n for _, n in by_bucket)
+                for split, cells in splits.items():
+                    print(f"    step 1 by {split}:", "  ".join(
+                        f"{cell} {hit / n:.3f} ({n / total:.0%})" for cell, (hit, n) in sorted(cells.items())
+                    ))  # fmt: skip
 
 
 def greedy_reply(target, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -79,23 +91,31 @@ def greedy_reply(target, prompt_ids: list[int], max_new_tokens: int) -> list[int
     return out[0, len(prompt_ids) :].tolist()
 
 
-def first_replies(target, chats: Path, limit: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, reply ids) of the first user turn and the target's reply in the last `limit` self-chats."""
+def first_replies(target, chats: Path, limit: int) -> list[tuple[list[int], list[int], str | None]]:
+    """(prompt ids, reply ids, kind) of the first user turn and the target's reply in the last `limit` self-chats."""
     rows = [json.loads(line) for line in chats.read_text().splitlines() if line.strip()][-limit:]
     return [
         (encode_chat(target.tokenizer, row["messages"][:1]),
-         target.tokenizer(row["messages"][1]["content"], add_special_tokens=False)["input_ids"])
+         target.tokenizer(row["messages"][1]["content"], add_special_tokens=False)["input_ids"],
+         row.get("kind"))
         for row in rows
     ]  # fmt: skip
 
 
-def score(model, target, source, pairs, steps: int, edges: list[int]) -> tuple[list[float], list[tuple[int, int]]]:
-    """Top-1 per draft step over all replies, and step 1's (hits, scored) per bucket of reply position."""
+def score(
+    model, target, source, pairs, steps: int, edges: list[int]
+) -> tuple[list[float], list[tuple[int, int]], dict[str, dict[str, list[int]]]]:
+    """Top-1 per draft step over all replies, step 1's (hits, scored) per bucket of reply position, and step 1's
+    [hits, scored] per cell of each split (`split_cells`)."""
     hits, scored = torch.zeros(steps), torch.zeros(steps)
     buckets = [[0, 0] for _ in edges[1:]]
-    for prompt_ids, reply_ids in pairs:
+    splits: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    in_vocab = torch.zeros(target.model.config.vocab_size, dtype=torch.bool)
+    in_vocab[model.draft_to_target(torch.arange(model.config.draft_vocab_size))] = True
+    for prompt_ids, reply_ids, kind in pairs:
         seq = torch.tensor(prompt_ids + reply_ids)
-        labels = target.forward(seq, target.new_cache()).logits.argmax(-1)  # the served target's argmax
+        probs = target.forward(seq, target.new_cache()).logits.float().softmax(-1)
+        confidence, labels = probs.max(-1)  # the served target's argmax and its probability
         features = source.forward(seq, source.new_cache(), tuple(model.config.aux_layer_ids)).aux_hidden
         for k, hidden in enumerate(ttt_forward(model, seq[None], features.float()[None], steps)):
             positions = torch.arange(max(len(prompt_ids) - 2 - k, 0), len(seq) - 2 - k)
@@ -104,11 +124,35 @@ def score(model, target, source, pairs, steps: int, edges: list[int]) -> tuple[l
             hits[k] += right.sum()
             scored[k] += len(positions)
             if k == 0:  # position t predicts reply token t + 2 - len(prompt)
-                for at, ok in zip((positions + 2 - len(prompt_ids)).tolist(), right.tolist(), strict=True):
+                for t, ok in zip(positions.tolist(), right.tolist(), strict=True):
+                    at = t + 2 - len(prompt_ids)
                     bucket = next(i for i, hi in enumerate(edges[1:]) if at < hi)
                     buckets[bucket][0] += ok
                     buckets[bucket][1] += 1
-    return (hits / scored).tolist(), [(h, n) for h, n in buckets]
+                    for split, cell in split_cells(seq, t + 2, int(labels[t + 1]), float(confidence[t + 1]),
+                                                   in_vocab, kind).items():  # fmt: skip
+                        splits[split][cell][0] += ok
+                        splits[split][cell][1] += 1
+    return (hits / scored).tolist(), [(h, n) for h, n in buckets], splits
+
+
+CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9)
+
+
+def split_cells(
+    seq: torch.Tensor, at: int, label: int, confidence: float, in_vocab: torch.Tensor, kind: str | None
+) -> dict[str, str]:
+    """Which cell of each split the prediction of token `at` (the target's argmax `label`) falls in."""
+    previous = int(seq[at - 1])
+    earlier = seq[: at - 1]  # bigrams (earlier[j], seq[j + 1]) that end before `at`
+    copied = bool(((earlier == previous) & (seq[1:at] == label)).any())
+    low = max((e for e in (0.0, *CONFIDENCE_EDGES) if confidence >= e), default=0.0)
+    return {
+        "kind": kind or "?",
+        "target top-1 probability": f">={low:.1f}",
+        "draft vocabulary": "in" if in_vocab[label] else "out",
+        "token pair": "seen before" if copied else "new",
+    }
 
 
 if __name__ == "__main__":
