@@ -146,7 +146,7 @@ def split_cells(
     previous = int(seq[at - 1])
     earlier = seq[: at - 1]  # bigrams (earlier[j], seq[j + 1]) that end before `at`
     copied = bool(((earlier == previous) & (seq[1:at] == label)).any())
-    low = max((e for e in (0.0, *CONFIDENCE_EDGES) if confidence >= e), default=0.0)
+    low = max(e for e in (0.0, *CONFIDENCE_EDGES) if confidence >= e)
     return {
         "kind": kind or "?",
         "target top-1 probability": f">={low:.1f}",

@@ -67,7 +67,7 @@ KINDS: dict[str, Kind] = {
         "A shop sells",
     )),
     # Questions that ask the target what it knows (MT-bench's STEM and humanities): the kind a drafter trained
-    # without it accepted least of on MT-bench (first draft token 0.44 / 0.51 against 0.53-0.65 for the rest).
+    # without it accepted least of on MT-bench (first draft token 0.44 / 0.51 against 0.52-0.65 for the rest).
     "knowledge": Kind((
         "Explain how", "What is the difference between", "Why do", "Describe the history of",
         "What are the main causes of", "Explain the concept of", "What role did", "How does",
