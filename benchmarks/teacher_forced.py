@@ -60,7 +60,7 @@ def main() -> None:
     with torch.inference_mode():
         sources = {f"{args.dataset}, first {len(prompts)} prompts, greedy replies of up to {args.max_new_tokens}": [
             (ids, greedy_reply(target, ids, args.max_new_tokens), conv.kind)
-            for conv, ids in ((conv, encode_chat(target.tokenizer, conv.messages)) for conv in prompts)
+            for conv in prompts for ids in [encode_chat(target.tokenizer, conv.messages)]
         ]}  # fmt: skip
         if args.chats:
             sources[f"self-chats of {args.chats}, first replies of the last {args.limit}"] = first_replies(
