@@ -316,6 +316,8 @@ def test_train_any_variant_then_draft_losslessly(tmp_path, verifier):
         TrainConfig(algo="dflash", intermediate_size=200)  # refused when the profile loads, not ignored
     with pytest.raises(ValueError, match="label_temperature applies to EAGLE-3's TTT loss"):
         TrainConfig(algo="dflash", label_temperature=0.5)
+    with pytest.raises(ValueError, match="reached_only applies to EAGLE-3's TTT loss"):
+        TrainConfig(algo="dflash", reached_only=True)
     assert isinstance(drafter, Eagle3Drafter)
     prompt = [0, 11, 12, 13]
     assert SpeculativeDecoder(target, drafter, 3).generate(prompt, 30).tokens == reference(target, prompt, 30)

@@ -53,22 +53,31 @@ def curve(out_dir) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in NONDETERMINISTIC} for r in read_metrics(out_dir)]
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_ttt_loss_matches_a_direct_computation(temperature):
+@pytest.mark.parametrize(
+    ("temperature", "reached_only", "feature_weight"), [(1.0, False, 0.0), (0.5, False, 0.0), (1.0, True, 0.5)]
+)
+def test_ttt_loss_matches_a_direct_computation(temperature, reached_only, feature_weight):
     """Position by position: step k at t is scored against the target's distribution at t+1+k restricted to the
     draft vocabulary and renormalised (at `label_temperature`), when token t+2+k exists and is in the loss mask (here
-    in a padded batch). Top-1 is scored against the target's own argmax whatever the temperature."""
+    in a padded batch). Top-1 is scored against the target's own argmax whatever the temperature. With
+    `reached_only` the loss keeps step k at t only where every earlier scored step at t was right; the logged
+    per-step KL and top-1 still cover every position. `feature_weight` adds the squared error of the drafter's normed
+    state against the target's at t+1+k, relative to the latter's squared norm, to the optimised loss only."""
     _, data, (head, embed, d2t, t2d), config = setup(count=2, draft_size=64)
     model = Eagle3Model.from_weights(config, embed, head, d2t, t2d)
     batch = trainer_module.collate(data, 64, torch.device("cpu"))
     steps, weight = 3, 0.8
-    loss, stats = ttt_loss(model, batch, head, steps, weight, torch.ones(steps), label_temperature=temperature)
+    loss, stats = ttt_loss(
+        model, batch, head, steps, weight, torch.ones(steps), label_temperature=temperature,
+        reached_only=reached_only, feature_weight=feature_weight,
+    )  # fmt: skip
     draft_ids = torch.arange(64) + d2t
     with torch.no_grad():
-        logits = [model.draft_logits(h) for h in ttt_forward(model, batch["input_ids"], batch["aux_hidden"], steps)]
-    expected = 0.0
+        states = [model.draft_state(h) for h in ttt_forward(model, batch["input_ids"], batch["aux_hidden"], steps)]
+        logits = [model.lm_head(state) for state in states]
+    expected, wrong_before, masked_out = 0.0, set(), 0  # positions some earlier step drafted wrongly
     for k in range(steps):
-        kl, correct, correct_draft, count = 0.0, 0, 0, 0
+        kl, scored, correct, correct_draft, count = 0.0, 0.0, 0, 0, 0
         for b, sample in enumerate(data):
             length = len(sample["input_ids"])
             for t in range(length - 2 - k):
@@ -76,14 +85,26 @@ def test_ttt_loss_matches_a_direct_computation(temperature):
                     full = sample["last_hidden"][t + 1 + k] @ head.T
                     p = torch.softmax(full[draft_ids] / temperature, -1)
                     q = torch.softmax(logits[k][b, t], -1)
-                    kl += float((p * (p.log() - q.log())).sum())
-                    correct += int(draft_ids[q.argmax()] == full.argmax())
+                    position_kl = float((p * (p.log() - q.log())).sum())
+                    kl += position_kl
+                    goal = sample["last_hidden"][t + 1 + k]
+                    error = float((states[k][b, t] - goal).square().sum() / goal.square().sum())
+                    if (b, t) in wrong_before and reached_only:
+                        masked_out += 1
+                    else:
+                        scored += position_kl + feature_weight * error
+                    right = bool(draft_ids[q.argmax()] == full.argmax())
+                    if not right:
+                        wrong_before.add((b, t))
+                    correct += right
                     correct_draft += int(q.argmax() == p.argmax())  # speculators' metric: within the draft vocabulary
                     count += 1
         got = int(stats.count[k]), int(stats.correct[k]), int(stats.correct_draft[k])
         assert got == (count, correct, correct_draft)
         assert float(stats.loss_sum[k]) == pytest.approx(kl, rel=1e-4)
-        expected += weight**k * kl
+        expected += weight**k * scored
+    later = int(stats.count[1:].sum())  # masking keeps some later positions and drops others: both paths are checked
+    assert 0 < masked_out < later if reached_only else masked_out == 0
     assert loss.item() == pytest.approx(expected, rel=1e-4)
 
 

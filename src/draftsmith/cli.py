@@ -238,6 +238,8 @@ def train(
     ttt_steps: Annotated[int, typer.Option(help="training-time-test unroll length K")] = 7,
     step_weight: Annotated[float, typer.Option(help="loss weight of step k is step_weight**k")] = 0.8,
     label_temperature: Annotated[float, typer.Option(help="eagle3: the target distribution's temperature")] = 1.0,
+    reached_only: Annotated[bool, typer.Option(help="eagle3: step k's loss only where steps < k were right")] = False,
+    feature_weight: Annotated[float, typer.Option(help="eagle3: weight of the normed-state regression")] = 0.0,
     checkpoint_every: int = 200,
     eval_every: int = 100,
     max_length: int = 2048,

@@ -427,9 +427,13 @@ class Eagle3Model(nn.Module):
         out = self.midlayer(embeds, hidden, cos, sin, cache)
         return self.norm(out) if cfg.norm_output else out
 
+    def draft_state(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The normed state the head reads from an output hidden of `forward_hidden` (already normed with
+        `norm_output`): the drafter's guess at the target's final normed hidden state one position on."""
+        return hidden if self.config.norm_output else self.norm(hidden)
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits of an output hidden of `forward_hidden` (already normed with `norm_output`)."""
-        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
+        return self.lm_head(self.draft_state(hidden))
 
 
 class Eagle3Drafter:

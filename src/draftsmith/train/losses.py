@@ -119,10 +119,19 @@ def ttt_loss(
     denominators: torch.Tensor,
     forward: Callable[..., list[torch.Tensor]] = ttt_forward,
     label_temperature: float = 1.0,
+    reached_only: bool = False,
+    feature_weight: float = 0.0,
 ) -> tuple[torch.Tensor, StepStats]:
     """sum_k step_weight^k * KL(p || q_k) summed over valid positions / denominators[k], and per-step sums.
     `forward`: `ttt_forward` or a compiled copy of it (`TTTObjective.compile`). `label_temperature` < 1 sharpens p
-    towards the target's argmax, the only token greedy verification accepts.
+    towards the target's argmax, the only token greedy verification accepts. `reached_only` (GRIFFIN's loss
+    masking, Hu et al. 2025): step k's KL counts only at positions where every earlier step drafted the target's
+    argmax, the only positions where greedy verification ever runs step k; the denominators stay all valid
+    positions, so a step's loss is its expected loss per round. The logged per-step loss and top-1 stay over every
+    valid position, comparable with and without it. `feature_weight` > 0 adds EAGLE-1's feature regression to the
+    optimised loss: the squared error between the drafter's normed state and the target's final normed state at
+    t+1+k, relative to the latter's squared norm. The head reads only the draft vocabulary's directions of that
+    state; the regression asks for all of it, the target's whole view of the next token.
 
     `denominators` (steps,) are the valid-position counts of the whole global batch (all micro-batches and ranks),
     so summing the micro-batch losses gives the exact token-level mean however the batch is split. KL is the soft
@@ -144,15 +153,26 @@ def ttt_loss(
 
     total = p.new_zeros(())
     stats = StepStats.zeros(steps, p.device)
+    reached = torch.ones_like(mask)  # every earlier step at this position drafted the target's argmax
     for k, hidden in enumerate(forward(model, batch["input_ids"], batch["aux_hidden"], steps)):
         b, t = valid[k].nonzero(as_tuple=True)
         target_row = row[b, t + 1 + k]
-        logits = model.draft_logits(hidden[b, t]).float()
+        state = model.draft_state(hidden[b, t])
+        logits = model.lm_head(state).float()
         kl = F.cross_entropy(logits, p[target_row], reduction="none") + neg_entropy[target_row]
-        total = total + step_weight**k * kl.sum() / denominators[k].clamp_min(1)
+        scored = kl
+        if feature_weight:
+            goal = batch["last_hidden"][b, t + 1 + k].float()
+            error = (state.float() - goal).square().sum(-1) / goal.square().sum(-1).clamp_min(1e-6)
+            scored = kl + feature_weight * error
+        if reached_only:
+            scored = scored[reached[b, t]]
+        total = total + step_weight**k * scored.sum() / denominators[k].clamp_min(1)
         stats.loss_sum[k] += kl.sum().detach()
         guess = logits.detach().max(-1).indices
-        stats.correct[k] += (draft_ids[guess] == top[target_row]).sum()  # what greedy verification accepts
+        right = draft_ids[guess] == top[target_row]  # what greedy verification accepts
+        reached[b, t] &= right
+        stats.correct[k] += right.sum()
         stats.correct_draft[k] += (guess == draft_top[target_row]).sum()  # speculators' metric
         stats.count[k] += len(b)
     return total, stats
@@ -305,8 +325,16 @@ class DFlashObjective:
 class TTTObjective:
     """EAGLE-3's training-time test behind the trainer's objective interface."""
 
-    def __init__(self, steps: int, step_weight: float, label_temperature: float = 1.0) -> None:
+    def __init__(
+        self,
+        steps: int,
+        step_weight: float,
+        label_temperature: float = 1.0,
+        reached_only: bool = False,
+        feature_weight: float = 0.0,
+    ) -> None:
         self.steps, self.step_weight, self.label_temperature = steps, step_weight, label_temperature
+        self.reached_only, self.feature_weight = reached_only, feature_weight
         self.forward: Callable[..., list[torch.Tensor]] = ttt_forward
 
     def compile(self) -> None:
@@ -338,5 +366,14 @@ class TTTObjective:
         self, model: Eagle3Model, batch: dict[str, torch.Tensor], target_head: torch.Tensor, denominators: torch.Tensor
     ) -> tuple[torch.Tensor, StepStats]:
         return ttt_loss(
-            model, batch, target_head, self.steps, self.step_weight, denominators, self.forward, self.label_temperature
+            model,
+            batch,
+            target_head,
+            self.steps,
+            self.step_weight,
+            denominators,
+            self.forward,
+            self.label_temperature,
+            self.reached_only,
+            self.feature_weight,
         )

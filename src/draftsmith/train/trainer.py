@@ -68,6 +68,10 @@ class TrainConfig(StageConfig):
     step_weight: float = Field(default=0.8, gt=0)
     # EAGLE-3: the TTT loss's target distribution at this temperature; < 1 sharpens it towards the target's argmax
     label_temperature: float = Field(default=1.0, gt=0)
+    # EAGLE-3: step k's loss only where steps < k drafted the target's argmax (GRIFFIN's loss masking, ttt_loss)
+    reached_only: bool = False
+    # EAGLE-3: weight of EAGLE-1's feature regression (the drafter's normed state against the target's; ttt_loss)
+    feature_weight: float = Field(default=0.0, ge=0)
     checkpoint_every: int = Field(default=200, ge=1)
     keep_checkpoints: int = Field(default=2, ge=1)
     eval_every: int = Field(default=100, ge=1)
@@ -120,6 +124,10 @@ class TrainConfig(StageConfig):
             raise ValueError("intermediate_size sets the EAGLE-3 drafter's MLP width; DFlash takes the target's")
         if self.label_temperature != 1.0 and self.algo == "dflash":
             raise ValueError("label_temperature applies to EAGLE-3's TTT loss; DFlash's is set by kl")
+        if self.reached_only and self.algo == "dflash":
+            raise ValueError("reached_only applies to EAGLE-3's TTT loss; DFlash's block loss scores every position")
+        if self.feature_weight and self.algo == "dflash":
+            raise ValueError("feature_weight applies to EAGLE-3's TTT loss; DFlash's drafter has no such state")
         return self
 
     @model_validator(mode="after")
@@ -132,7 +140,9 @@ class TrainConfig(StageConfig):
         """What one step computes: EAGLE-3's training-time test, or DFlash's block loss."""
         if self.algo == "dflash":
             return DFlashObjective(self.block_size, self.gamma, self.anchors, self.kl, self.seed, self.draft_loss)
-        objective = TTTObjective(self.ttt_steps, self.step_weight, self.label_temperature)
+        objective = TTTObjective(
+            self.ttt_steps, self.step_weight, self.label_temperature, self.reached_only, self.feature_weight
+        )
         if self.compile is True or self.compile == AUTO and not self.fsdp:
             objective.compile()
         return objective
