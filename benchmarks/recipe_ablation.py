@@ -2,10 +2,11 @@
 
 Every variant trains from the same extract store and draft vocabulary for the same number of steps (and the same
 seed, so the same batches), starting from the base recipe with one setting changed. It prints, per variant, the
-validation top-1 per draft step (full vocabulary, what greedy verification accepts), the validation expected
-length, and tau_fixed: tokens per target forward with a fixed chain of `--chain` on the first `--prompts` MT-bench
-first turns, T=0, 128 new tokens — replayed along the target's greedy replies exactly as the engine accepts, so it
-is the drafter's real quality on prompts it did not train on. Nothing is timed: the numbers do not depend on the
+validation top-1 per draft step (full vocabulary, what greedy verification accepts), the validation chain length
+(`chain_length`: the validation replies' teacher-forced tau_fixed), and tau_fixed: tokens per target forward with
+a fixed chain of `--chain` on the first `--prompts` MT-bench first turns, T=0, 128 new tokens — replayed along
+the target's greedy replies exactly as the engine accepts, so it is the drafter's real quality on prompts it did
+not train on. Nothing is timed: the numbers do not depend on the
 machine's load.
 
     .venv/bin/python benchmarks/recipe_ablation.py --store runs/abl/extract --vocab runs/abl/vocab \\
@@ -103,12 +104,12 @@ def main() -> int:
         result = train(cfg, args.store, args.vocab, args.out / name, target, fresh=True)
         tau, by_position = tau_fixed(args.out / name, target, prompts, encoded, texts, args.chain, args.max_new_tokens)
         val = result.val or {}
-        best = max((r for r in _val_rows(args.out / name)), key=lambda r: r["expected_length"], default=val)
+        best = max((r for r in _val_rows(args.out / name)), key=lambda r: r["chain_length"], default=val)
         row = {
             "variant": name,
             "changes": changes,
             "val_acc": [best.get(f"acc_{k}", 0.0) for k in range(cfg.ttt_steps)],
-            "val_expected_length": best.get("expected_length", 0.0),
+            "val_chain_length": best.get("chain_length", 0.0),
             "tau_fixed": tau,
             "acceptance_by_position_fixed": by_position,
         }
@@ -119,12 +120,12 @@ def main() -> int:
         f"\n{args.steps} steps x batch {base['batch_size']} from {args.store}; tau_fixed: chain of {args.chain}, "
         f"first {len(prompts)} MT-bench first turns, T=0, {args.max_new_tokens} new tokens; val = best checkpoint"
     )
-    print("| variant | change | val top-1 per step | val expected length | tau_fixed |")
+    print("| variant | change | val top-1 per step | val chain length | tau_fixed |")
     print("| --- | --- | --- | ---: | ---: |")
     for r in rows:
         changes = ", ".join(f"{k}={v}" for k, v in r["changes"].items()) or "-"
         accs = " / ".join(f"{a:.3f}" for a in r["val_acc"])
-        print(f"| {r['variant']} | {changes} | {accs} | {r['val_expected_length']:.2f} | {r['tau_fixed']:.2f} |")
+        print(f"| {r['variant']} | {changes} | {accs} | {r['val_chain_length']:.2f} | {r['tau_fixed']:.2f} |")
     return 0
 
 

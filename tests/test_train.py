@@ -60,9 +60,10 @@ def test_ttt_loss_matches_a_direct_computation(temperature, reached_only, featur
     """Position by position: step k at t is scored against the target's distribution at t+1+k restricted to the
     draft vocabulary and renormalised (at `label_temperature`), when token t+2+k exists and is in the loss mask (here
     in a padded batch). Top-1 is scored against the target's own argmax whatever the temperature. With
-    `reached_only` the loss keeps step k at t only where every earlier scored step at t was right; the logged
-    per-step KL and top-1 still cover every position. `feature_weight` adds the squared error of the drafter's normed
-    state against the target's at t+1+k, relative to the latter's squared norm, to the optimised loss only."""
+    `reached_only` the loss keeps step k at t only where every earlier step at t was scored and right (`chain_k`
+    counts those positions whose step k is right too); the logged per-step KL and top-1 still cover every position.
+    `feature_weight` adds the squared error of the drafter's normed state against the target's at t+1+k, relative
+    to the latter's squared norm, to the optimised loss only."""
     _, data, (head, embed, d2t, t2d), config = setup(count=2, draft_size=64)
     model = Eagle3Model.from_weights(config, embed, head, d2t, t2d)
     batch = trainer_module.collate(data, 64, torch.device("cpu"))
@@ -75,9 +76,10 @@ def test_ttt_loss_matches_a_direct_computation(temperature, reached_only, featur
     with torch.no_grad():
         states = [model.draft_state(h) for h in ttt_forward(model, batch["input_ids"], batch["aux_hidden"], steps)]
         logits = [model.lm_head(state) for state in states]
-    expected, wrong_before, masked_out = 0.0, set(), 0  # positions some earlier step drafted wrongly
+    expected, masked_out = 0.0, 0
+    right_run: dict[tuple[int, int], int] = {}  # position -> how many steps from step 0 on were scored and right
     for k in range(steps):
-        kl, scored, correct, correct_draft, count = 0.0, 0.0, 0, 0, 0
+        kl, scored, correct, correct_draft, count, chain = 0.0, 0.0, 0, 0, 0, 0
         for b, sample in enumerate(data):
             length = len(sample["input_ids"])
             for t in range(length - 2 - k):
@@ -89,18 +91,20 @@ def test_ttt_loss_matches_a_direct_computation(temperature, reached_only, featur
                     kl += position_kl
                     goal = sample["last_hidden"][t + 1 + k]
                     error = float((states[k][b, t] - goal).square().sum() / goal.square().sum())
-                    if (b, t) in wrong_before and reached_only:
-                        masked_out += 1
-                    else:
+                    reached = right_run.get((b, t), 0) == k
+                    if reached or not reached_only:
                         scored += position_kl + feature_weight * error
+                    else:
+                        masked_out += 1
                     right = bool(draft_ids[q.argmax()] == full.argmax())
-                    if not right:
-                        wrong_before.add((b, t))
+                    if reached and right:
+                        right_run[b, t] = k + 1
+                        chain += 1
                     correct += right
                     correct_draft += int(q.argmax() == p.argmax())  # speculators' metric: within the draft vocabulary
                     count += 1
-        got = int(stats.count[k]), int(stats.correct[k]), int(stats.correct_draft[k])
-        assert got == (count, correct, correct_draft)
+        got = int(stats.count[k]), int(stats.correct[k]), int(stats.correct_draft[k]), int(stats.chain[k])
+        assert got == (count, correct, correct_draft, chain)
         assert float(stats.loss_sum[k]) == pytest.approx(kl, rel=1e-4)
         expected += weight**k * scored
     later = int(stats.count[1:].sum())  # masking keeps some later positions and drops others: both paths are checked
@@ -147,9 +151,12 @@ def test_files_written_and_checkpoint_loads(tmp_path):
     assert expected | {"tokens_per_s"} <= records[0].keys()
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     # checkpoints at 2, 4 and the end (5); the two newest are kept, and the best validation's; `latest` names the
-    # last one, `best` the one with the highest validation expected length, which evaluation and export use
+    # last one, `best` the one with the highest validation chain length (its teacher-forced tau_fixed), which
+    # evaluation and export use
     val = [r for r in records if r["split"] == "val"]
-    best = max(val, key=lambda r: r["expected_length"])["step"]  # the first of equals
+    assert all(r["chain_length"] == pytest.approx(1 + r["chain_0"] + r["chain_1"]) for r in val)
+    assert all(r["chain_1"] <= r["chain_0"] <= r["acc_0"] for r in val)  # a chain is right at every step or not
+    best = max(val, key=lambda r: r["chain_length"])["step"]  # the first of equals
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted(
         {f"step-{best:06d}", "step-000004", "step-000005"}
     )

@@ -153,7 +153,7 @@ def ttt_loss(
 
     total = p.new_zeros(())
     stats = StepStats.zeros(steps, p.device)
-    reached = torch.ones_like(mask)  # every earlier step at this position drafted the target's argmax
+    reached = torch.ones_like(mask)  # every earlier step at this position was scored and drafted the target's argmax
     for k, hidden in enumerate(forward(model, batch["input_ids"], batch["aux_hidden"], steps)):
         b, t = valid[k].nonzero(as_tuple=True)
         target_row = row[b, t + 1 + k]
@@ -171,8 +171,11 @@ def ttt_loss(
         stats.loss_sum[k] += kl.sum().detach()
         guess = logits.detach().max(-1).indices
         right = draft_ids[guess] == top[target_row]  # what greedy verification accepts
-        reached[b, t] &= right
+        scored_right = torch.zeros_like(mask)
+        scored_right[b, t] = right
+        reached &= scored_right
         stats.correct[k] += right.sum()
+        stats.chain[k] += reached.sum()
         stats.correct_draft[k] += (guess == draft_top[target_row]).sum()  # speculators' metric
         stats.count[k] += len(b)
     return total, stats
@@ -319,6 +322,9 @@ class DFlashObjective:
             stats.correct.index_add_(0, cols, (guess == batch["target_top"][i][at - 1]).double())
             stats.correct_draft.index_add_(0, cols, (guess == batch["input_ids"][i][at]).double())
             stats.count.index_add_(0, cols, torch.ones_like(loss, dtype=torch.float64))
+            right = torch.zeros_like(valid)
+            right[rows, cols] = guess == batch["target_top"][i][at - 1]
+            stats.chain.add_(right.long().cumprod(1).sum(0))  # blocks whose positions 1..k were all right
         return total, stats
 
 

@@ -4,6 +4,9 @@ loss_k is the mean KL(p || q_k) and acc_k the share of positions where the draft
 equals the target's top-1 over its full vocabulary, both over the positions that count at step k. acc_k is what
 greedy verification would accept at depth k if every earlier draft token had been right. acc_draft_k compares with
 the target's top-1 within the draft vocabulary instead (what speculators logs), so the libraries' numbers compare.
+chain_k is the share of step-0 positions where steps 0..k were all right: what a fixed chain of greedy drafts
+actually gets accepted along the target's own replies, so chain_length = 1 + sum_k chain_k is the validation data's
+teacher-forced tau_fixed, exact where expected_length assumes the steps independent.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ class StepStats:
     """Sums of loss, correct top-1 and counted positions per TTT step, in fp64 so long sums stay exact enough."""
 
     def __init__(self, data: torch.Tensor) -> None:
-        self.data = data  # (4, steps): loss sum, correct (full vocabulary), correct (draft vocabulary), count
+        # (5, steps): loss sum, correct (full vocabulary), correct (draft vocabulary), count, whole chains right
+        self.data = data
 
     @classmethod
     def zeros(cls, steps: int, device: torch.device | str = "cpu") -> StepStats:
-        return cls(torch.zeros(4, steps, dtype=torch.float64, device=device))
+        return cls(torch.zeros(5, steps, dtype=torch.float64, device=device))
 
     @property
     def loss_sum(self) -> torch.Tensor:
@@ -47,6 +51,11 @@ class StepStats:
     def count(self) -> torch.Tensor:
         return self.data[3]
 
+    @property
+    def chain(self) -> torch.Tensor:
+        """Positions whose drafts at steps 0..k were all right (the denominator is step 0's count)."""
+        return self.data[4]
+
     def __iadd__(self, other: StepStats) -> StepStats:
         self.data += other.data
         return self
@@ -59,7 +68,8 @@ class StepStats:
     def summary(self, step_weight: float) -> dict[str, float]:
         """loss (the weighted objective), loss_k, acc_k, acc_draft_k and `expected_length`; NaN-free: a step with
         no positions reports 0. expected_length = 1 + sum_k prod_{j<=k} acc_j, the tokens per verify forward a
-        fixed chain of this depth would make if acceptance at each depth were independent: how checkpoints rank."""
+        fixed chain of this depth would make if acceptance at each depth were independent. chain_k and chain_length
+        = 1 + sum_k chain_k count whole chains instead (the module docstring): how checkpoints rank."""
         count = self.count.clamp_min(1)
         losses, accs = (self.loss_sum / count).tolist(), (self.correct / count).tolist()
         out = {"loss": sum(step_weight**k * loss for k, loss in enumerate(losses))}
@@ -71,6 +81,9 @@ class StepStats:
             reach *= acc
             expected += reach
         out["expected_length"] = expected
+        chains = (self.chain / count[0]).tolist()
+        out.update({f"chain_{k}": chain for k, chain in enumerate(chains)})
+        out["chain_length"] = 1.0 + sum(chains)
         out["positions"] = float(self.count.sum())
         return out
 

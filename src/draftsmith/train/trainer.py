@@ -254,7 +254,7 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, warmup, self.total_steps)
         )
         self.step = 0
-        self.best_length = 0.0  # the best validation expected_length so far; its checkpoint is kept as `best`
+        self.best_length = 0.0  # the best validation chain_length so far; its checkpoint is kept as `best`
 
     def run(self, resume: bool) -> TrainResult:
         cfg = self.cfg
@@ -308,8 +308,8 @@ class Trainer:
                     val_metrics = self.validate().summary(self.objective.step_weight)
                     if writer:
                         writer.log(self.step, "val", val_metrics)
-                    best = val_metrics["expected_length"] > self.best_length
-                    self.best_length = max(self.best_length, val_metrics["expected_length"])
+                    best = val_metrics["chain_length"] > self.best_length
+                    self.best_length = max(self.best_length, val_metrics["chain_length"])
                 self.seconds += time.perf_counter() - start
                 if best or self.step % cfg.checkpoint_every == 0 or done:
                     start = time.perf_counter()
@@ -453,7 +453,7 @@ class Trainer:
                 "optimizer": optimizer_state or self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "rng": rng_state(),
-                "best_length": self.best_length,
+                "best_chain_length": self.best_length,
                 "seconds": self.seconds,
             }
             torch.save(state, tmp / STATE_FILE)
@@ -502,7 +502,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.step = state["step"]
-        self.best_length = float(state.get("best_length", 0.0))
+        self.best_length = float(state.get("best_chain_length", 0.0))  # 0 for a state from before chain_length
         self.seconds = float(state.get("seconds", 0.0))
 
 
