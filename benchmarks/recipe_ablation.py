@@ -6,8 +6,7 @@ validation top-1 per draft step (full vocabulary, what greedy verification accep
 (`chain_length`: the validation replies' teacher-forced tau_fixed), and tau_fixed: tokens per target forward with
 a fixed chain of `--chain` on the first `--prompts` MT-bench first turns, T=0, 128 new tokens — replayed along
 the target's greedy replies exactly as the engine accepts, so it is the drafter's real quality on prompts it did
-not train on. Nothing is timed: the numbers do not depend on the
-machine's load.
+not train on. Nothing is timed: the numbers do not depend on the machine's load.
 
     .venv/bin/python benchmarks/recipe_ablation.py --store runs/abl/extract --vocab runs/abl/vocab \\
         [--steps 100] [--variants base,head:freeze_lm_head=false,...] [--out runs/ablation]

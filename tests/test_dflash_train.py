@@ -47,7 +47,8 @@ def test_block_training_forward_equals_inference():
 def test_draft_loss_is_cross_entropy_over_what_the_engine_drafts_from():
     """With `draft_loss` a block position's loss is the cross entropy of the logits the drafter's engine scores (the
     draft vocabulary's head rows) at the target-written token; a token outside the draft vocabulary adds no loss
-    and counts as a miss; the accuracy compares target ids, not rows."""
+    and counts as a miss; the accuracy compares target ids, not rows. `chain` counts the block positions whose
+    drafts from position 1 on all equal the target's argmax."""
     target = tiny_target(2, vocab_size=12)
     model = with_draft_vocab(make_model(target, block_size=4, ids=LAYERS), target, 6).eval()
     sample = extract(target, 1, seed=4)[0]
@@ -60,11 +61,12 @@ def test_draft_loss_is_cross_entropy_over_what_the_engine_drafts_from():
     with torch.no_grad():
         loss, stats = objective(model, batch, target.model.lm_head.weight.detach(), ones)
     drafter, row = DFlashDrafter(model), {int(t): i for i, t in enumerate(model.draft_ids)}
-    weight, expected, hits = objective.step_weight, 0.0, torch.zeros(3)
+    weight, expected, hits, guesses = objective.step_weight, 0.0, torch.zeros(3), {}
     for a in batch["anchors"][0].tolist():
         drafter.begin(ids[:a], sample["aux_hidden"][:a])
         with torch.no_grad():
             logits = drafter.head(drafter._block(ids[: a + 1], 3)).float()
+        guesses[a] = model.draft_ids[logits.argmax(-1)]
         for k in range(3):
             if a + k + 1 >= len(ids):
                 continue
@@ -75,6 +77,24 @@ def test_draft_loss_is_cross_entropy_over_what_the_engine_drafts_from():
     assert float(loss) == pytest.approx(expected, rel=1e-4)
     assert stats.correct_draft.float().tolist() == hits.tolist()
     assert stats.count.sum() > 0 and any(int(t) not in row for t in ids[1:])  # the out-of-vocabulary case ran
+
+    # The target's argmax (which the loss does not read) right at the first anchor's block positions 1 and 2, and at
+    # the second anchor's position 2 only: whole chains of 1 and 2, and a right draft after a wrong one.
+    first, second = list(guesses)[:2]
+    top = batch["target_top"].clone()
+    for a, right_at in ((first, (0, 1)), (second, (1,))):
+        for k in range(3):
+            if a + k + 1 < len(ids):
+                top[0, a + k] = guesses[a][k] if k in right_at else (guesses[a][k] + 1) % target.vocab_size
+    with torch.no_grad():
+        stats = objective(model, batch | {"target_top": top}, target.model.lm_head.weight.detach(), ones)[1]
+    chains = torch.zeros(3)
+    for a, drafted in guesses.items():
+        whole = True
+        for k in range(3):
+            whole = whole and a + k + 1 < len(ids) and bool(drafted[k] == top[0, a + k])
+            chains[k] += whole
+    assert stats.chain.float().tolist() == chains.tolist() and chains[1] >= 1 and stats.correct[1] > stats.chain[1]
 
 
 def test_draft_loss_needs_a_draft_vocabulary():
